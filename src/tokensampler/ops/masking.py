@@ -1,0 +1,32 @@
+"""Turning raw logits into float32 `z` with every removed id at `-inf` (steps 1 and 3)."""
+
+from __future__ import annotations
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def prepare_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """float32 copy of `logits[:, :vocab_size]` (padding dropped) with NaN set to -inf."""
+    z = logits[:, :vocab_size].to(torch.float32, copy=True)
+    return z.masked_fill_(torch.isnan(z), NEG_INF)
+
+
+def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
+    """Rows holding +inf keep only their +inf ids, at value 0 (the limit of softmax); in place."""
+    has_posinf = z.amax(dim=-1, keepdim=True) == float("inf")
+    posinf_rows = z.where(has_posinf, torch.zeros((), dtype=z.dtype, device=z.device))
+    replacement = torch.where(posinf_rows == float("inf"), 0.0, NEG_INF).to(z.dtype)
+    return torch.where(has_posinf, replacement, z, out=z)
+
+
+def remove_disallowed(z: torch.Tensor, allowed_mask: torch.Tensor) -> torch.Tensor:
+    """Set every id outside `allowed_mask` (bool [B, V]) to -inf, in place."""
+    return z.masked_fill_(~allowed_mask, NEG_INF)
+
+
+def remove_stop_ids(z: torch.Tensor, stop_mask: torch.Tensor, below_min_tokens: torch.Tensor) -> torch.Tensor:
+    """While a row has generated fewer than min_tokens (`below_min_tokens`, bool [B]), its stop and
+    EOS ids (`stop_mask`, bool [B, V]) are removed; in place."""
+    return z.masked_fill_(stop_mask & below_min_tokens[:, None], NEG_INF)

@@ -1,0 +1,183 @@
+"""The obviously-correct, slow implementation of DESIGN.md section 1: the oracle of the tests.
+
+One row at a time, one step of the definition per block, sorting allowed. Every fast path
+(`ops/`, `kernels/`, `distributed.py`) is tested token for token against `reference_sample`.
+Floating-point conventions that make "the same token" well defined are in docs/semantics.md:
+z is float32 throughout, top-p masses are float64 sums of float32 `exp(z - z_max)`, the Gumbel
+noise comes from `rng.gumbel`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from . import rng
+from .output import LogprobsOutput, SamplerOutput
+from .params import SamplingParams
+
+NEG_INF = float("-inf")
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+@dataclass
+class ReferenceRequest:
+    """One row's request as the reference sees it: params, history and noise coordinates."""
+
+    params: SamplingParams
+    seed: int
+    position: int
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    stream: int = 0
+    eos_token_ids: Sequence[int] = field(default_factory=tuple)
+
+
+def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
+    """+inf ids dominate: if any is present, they alone stay, at equal value (softmax's limit)."""
+    posinf = z == float("inf")
+    if bool(posinf.any()):
+        return torch.where(posinf, torch.zeros_like(z), torch.full_like(z, NEG_INF))
+    return z
+
+
+def _mass_and_count_above(z: torch.Tensor, p: torch.Tensor, kept: torch.Tensor):
+    """For each id: float64 mass and number of kept ids with a strictly larger z."""
+    values, inverse = torch.unique(z[kept], sorted=True, return_inverse=True)  # ascending
+    mass_per_value = torch.zeros(values.numel(), dtype=torch.float64)
+    mass_per_value.index_add_(0, inverse, p[kept].to(torch.float64))
+    count_per_value = torch.bincount(inverse, minlength=values.numel())
+    # strictly above value v: the sum over larger values, accumulated from the largest down
+    mass_above_value = torch.flip(torch.cumsum(torch.flip(mass_per_value, [0]), 0), [0]) - mass_per_value
+    count_above_value = torch.flip(torch.cumsum(torch.flip(count_per_value, [0]), 0), [0]) - count_per_value
+    mass_above = torch.full(z.shape, float("inf"), dtype=torch.float64)
+    count_above = torch.full(z.shape, z.numel(), dtype=torch.int64)
+    mass_above[kept] = mass_above_value[inverse]
+    count_above[kept] = count_above_value[inverse]
+    return mass_above, count_above
+
+
+def _top_n(order_key: torch.Tensor, n: int) -> torch.Tensor:
+    """The ids of the n largest keys, ties broken by the lower id (a stable descending sort)."""
+    return torch.sort(order_key, descending=True, stable=True).indices[:n]
+
+
+def _log_softmax(z: torch.Tensor) -> torch.Tensor:
+    if bool(torch.isneginf(z).all()):
+        return z.clone()
+    return torch.log_softmax(z, dim=-1)
+
+
+def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vocab_size: int,
+                         logprobs_mode: str = "raw_logprobs"):
+    """Sample one row. Returns (token, valid, (order key, values)) where both are float32 over
+    [0, vocab_size): the values asked by `logprobs_mode`, and the scores they were computed from,
+    which order the ids for ranks and the top-N (so rounding to logprobs cannot create ties)."""
+    params = request.params
+    # 1. float32, padding removed, NaN and -inf removed
+    z = logits_row.detach().to("cpu", torch.float32)[:vocab_size].clone()
+    z[torch.isnan(z)] = NEG_INF
+    raw = saturate_posinf(z.clone())
+    # 2. raw values for logprobs
+    lp_values = None
+    if logprobs_mode == "raw_logprobs":
+        lp_values = (raw.clone(), _log_softmax(raw))
+    elif logprobs_mode == "raw_logits":
+        lp_values = (raw.clone(), raw.clone())
+    # 3. allowed ids; stop and EOS ids while fewer than min_tokens were generated
+    if params.allowed_token_ids is not None:
+        keep = torch.zeros(vocab_size, dtype=torch.bool)
+        keep[list(params.allowed_token_ids)] = True
+        z[~keep] = NEG_INF
+    if len(request.output_token_ids) < params.min_tokens:
+        for token in (*params.stop_token_ids, *request.eos_token_ids):
+            z[token] = NEG_INF
+    # 4. logit bias
+    if params.logit_bias:
+        for token, bias in params.logit_bias.items():
+            z[token] = z[token] + torch.tensor(bias, dtype=torch.float32)
+    # 5. penalties: repetition (prompt and output), frequency, presence (output only)
+    counts = torch.bincount(torch.tensor(list(request.output_token_ids), dtype=torch.int64),
+                            minlength=vocab_size)[:vocab_size].to(torch.float32)
+    seen = counts > 0
+    if len(request.prompt_token_ids):
+        seen[torch.tensor(list(request.prompt_token_ids), dtype=torch.int64)] = True
+    r = torch.tensor(params.repetition_penalty, dtype=torch.float32)
+    z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
+    z = z - torch.tensor(params.frequency_penalty, dtype=torch.float32) * counts
+    z = z - torch.tensor(params.presence_penalty, dtype=torch.float32) * (counts > 0).to(torch.float32)
+    z = saturate_posinf(z)
+    kept = ~torch.isneginf(z)
+    valid = bool(kept.any())
+    if not valid:  # no id left: the greedy id of the raw logits, flagged invalid
+        token = int(torch.argmax(raw))
+        final = z
+    elif params.greedy:  # 6. greedy: lowest id among the maxima
+        token = int(torch.argmax(z))
+        final = z
+    else:
+        # 7. temperature
+        z = saturate_posinf(z / torch.tensor(params.temperature, dtype=torch.float32))
+        kept = ~torch.isneginf(z)
+        z_max = z[kept].max()
+        p = torch.exp(z - z_max)  # float32, the relative probabilities q_i / max(q)
+        # 8. min-p
+        if params.min_p > 0:
+            kept &= p >= torch.tensor(params.min_p, dtype=torch.float32)
+        # 9. top-k: fewer than k kept ids with a strictly larger z (ties at the border stay)
+        if params.top_k > 0:
+            _, count_above = _mass_and_count_above(z, p, kept)
+            kept &= count_above < params.top_k
+        # 10. top-p: mass (renormalised over kept ids) of strictly larger z is < top_p
+        if params.top_p < 1.0:
+            mass_above, _ = _mass_and_count_above(z, p, kept)
+            total = p[kept].to(torch.float64).sum()
+            kept &= mass_above < params.top_p * total
+        z = torch.where(kept, z, torch.full_like(z, NEG_INF))
+        # 11. Gumbel argmax, noise keyed by (seed, position, id, stream)
+        g = rng.gumbel(request.seed, request.position, torch.arange(vocab_size), request.stream)
+        score = torch.where(kept, z + g, torch.full_like(z, NEG_INF))
+        token = int(torch.argmax(score))
+        final = z
+    # 12. processed values
+    if logprobs_mode == "processed_logprobs":
+        lp_values = (final.clone(), _log_softmax(final))
+    elif logprobs_mode == "processed_logits":
+        lp_values = (final.clone(), final.clone())
+    return token, valid, lp_values
+
+
+def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest], *,
+                     vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+    """Section 1 of DESIGN.md for a batch: row b of `logits` ([B, Vp]) belongs to `requests[b]`.
+
+    Returns a CPU `SamplerOutput`; logprobs follow the same conventions as `Sampler.sample`
+    (ranks and the top-N order are taken on the values before rounding to logprobs: value, then id).
+    """
+    if logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: allowed {LOGPROBS_MODES}")
+    vocab = logits.shape[-1] if vocab_size is None else vocab_size
+    rows = [reference_sample_row(logits[b], req, vocab, logprobs_mode) for b, req in enumerate(requests)]
+    tokens = torch.tensor([row[0] for row in rows], dtype=torch.int64)
+    valid = torch.tensor([row[1] for row in rows], dtype=torch.bool)
+    asked = [req.params.logprobs for req in requests if req.params.logprobs is not None]
+    if not asked:
+        return SamplerOutput(tokens, valid, None)
+    width = max(vocab if n == -1 else n for n in asked)
+    batch = len(requests)
+    token_lp = torch.zeros(batch, dtype=torch.float32)
+    ranks = torch.zeros(batch, dtype=torch.int64)
+    top_ids = torch.full((batch, width), -1, dtype=torch.int64)
+    top_lp = torch.full((batch, width), NEG_INF, dtype=torch.float32)
+    for b, (req, (token, _, (order_key, values))) in enumerate(zip(requests, rows)):
+        if req.params.logprobs is None:
+            continue
+        token_lp[b] = values[token]
+        ranks[b] = int((order_key >= order_key[token]).sum())
+        n = vocab if req.params.logprobs == -1 else req.params.logprobs
+        ids = _top_n(order_key, n)
+        top_ids[b, :n] = ids
+        top_lp[b, :n] = values[ids]
+    return SamplerOutput(tokens, valid, LogprobsOutput(token_lp, ranks, top_ids, top_lp))

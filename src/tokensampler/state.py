@@ -1,0 +1,132 @@
+"""Per-slot sampler state on the device: parameter columns, noise coordinates and penalty history.
+
+One row per slot. Columns are written when a request is admitted and read by index on every step;
+the penalty history is a prompt mask and output counts per slot, updated in O(B) per step by the
+sampled tokens. Optional dense columns (logit bias, allowed ids, stop ids) are allocated on first
+use. A host mirror (`params`, `seeds`) lets the sampler plan a step without reading the device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from . import rng
+from .params import SamplingParams
+
+
+class SamplerState:
+    """Device tensors indexed by slot; `move` and `copy_from` relocate whole slots."""
+
+    def __init__(self, max_slots: int, vocab_size: int, device: torch.device) -> None:
+        self.max_slots = max_slots
+        self.vocab_size = vocab_size
+        self.device = device
+
+        def column(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((max_slots,), value, dtype=dtype, device=device)
+
+        self.temperature = column(1.0, torch.float32)
+        self.top_k = column(0, torch.int64)
+        self.top_p = column(1.0, torch.float32)
+        self.min_p = column(0.0, torch.float32)
+        self.presence = column(0.0, torch.float32)
+        self.frequency = column(0.0, torch.float32)
+        self.repetition = column(1.0, torch.float32)
+        self.min_tokens = column(0, torch.int64)
+        self.seed = column(0, torch.int64)
+        self.position = column(0, torch.int64)
+        self.stream = column(0, torch.int64)
+        self.output_len = column(0, torch.int64)
+        self.prompt_mask = torch.zeros((max_slots, vocab_size), dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros((max_slots, vocab_size), dtype=torch.int32, device=device)
+        self.logit_bias: torch.Tensor | None = None
+        self.allowed_mask: torch.Tensor | None = None
+        self.stop_mask: torch.Tensor | None = None
+        # host mirror: what the sampler needs to plan a step without a device read
+        self.params: list[SamplingParams | None] = [None] * max_slots
+        self.seeds: list[int | None] = [None] * max_slots
+
+    def _slot_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.temperature, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
+                   self.repetition, self.min_tokens, self.seed, self.position, self.stream, self.output_len,
+                   self.prompt_mask, self.output_counts]
+        return tensors + [t for t in (self.logit_bias, self.allowed_mask, self.stop_mask) if t is not None]
+
+    def _dense(self, name: str, dtype: torch.dtype, fill: float | bool) -> torch.Tensor:
+        tensor = getattr(self, name)
+        if tensor is None:
+            tensor = torch.full((self.max_slots, self.vocab_size), fill, dtype=dtype, device=self.device)
+            setattr(self, name, tensor)
+        return tensor
+
+    def admit(self, slot: int, params: SamplingParams, seed: int, position: int, stream: int,
+              prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+              eos_token_ids: Sequence[int]) -> None:
+        """Write every column of `slot` (ids already checked against the vocabulary)."""
+        values = {
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "min_p": params.min_p, "presence": params.presence_penalty,
+            "frequency": params.frequency_penalty, "repetition": params.repetition_penalty,
+            "min_tokens": params.min_tokens, "seed": rng.seed_to_int64(seed), "position": position,
+            "stream": stream, "output_len": len(output_token_ids),
+        }
+        for name, value in values.items():
+            getattr(self, name)[slot] = value
+        self.set_history(slot, prompt_token_ids, output_token_ids)
+        if params.logit_bias or self.logit_bias is not None:
+            bias = self._dense("logit_bias", torch.float32, 0.0)
+            bias[slot] = 0.0
+            if params.logit_bias:
+                ids = torch.tensor(list(params.logit_bias.keys()), dtype=torch.int64, device=self.device)
+                bias[slot, ids] = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32,
+                                               device=self.device)
+        if params.allowed_token_ids is not None or self.allowed_mask is not None:
+            allowed = self._dense("allowed_mask", torch.bool, True)
+            if params.allowed_token_ids is None:
+                allowed[slot] = True
+            else:
+                allowed[slot] = False
+                allowed[slot, list(params.allowed_token_ids)] = True
+        stop_ids = list(params.stop_token_ids) + list(eos_token_ids)
+        if (params.min_tokens > 0 and stop_ids) or self.stop_mask is not None:
+            stop = self._dense("stop_mask", torch.bool, False)
+            stop[slot] = False
+            if params.min_tokens > 0 and stop_ids:
+                stop[slot, stop_ids] = True
+        self.params[slot] = params
+        self.seeds[slot] = seed
+
+    def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
+        """Rebuild the slot's prompt mask and output counts from token lists."""
+        self.prompt_mask[slot] = False
+        if len(prompt_token_ids):
+            self.prompt_mask[slot, torch.as_tensor(list(prompt_token_ids), dtype=torch.int64,
+                                                   device=self.device)] = True
+        counts = torch.bincount(torch.as_tensor(list(output_token_ids), dtype=torch.int64),
+                                minlength=self.vocab_size)
+        self.output_counts[slot] = counts.to(device=self.device, dtype=torch.int32)
+
+    def release(self, slot: int) -> None:
+        self.params[slot] = None
+        self.seeds[slot] = None
+
+    def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
+        """State of `src_slots[i]` goes to `dst_slots[i]` for all i at once (a gather, then a scatter)."""
+        for tensor in self._slot_tensors():
+            tensor[dst_slots] = tensor[src_slots]
+        src = src_slots.tolist()
+        dst = dst_slots.tolist()
+        params = [self.params[s] for s in src]
+        seeds = [self.seeds[s] for s in src]
+        for d, p, s in zip(dst, params, seeds):
+            self.params[d] = p
+            self.seeds[d] = s
+
+    def record_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Count each sampled token into its slot's history and advance its position: O(B)."""
+        self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
+                                      accumulate=True)
+        self.position.index_add_(0, slots, torch.ones_like(slots))
+        self.output_len.index_add_(0, slots, torch.ones_like(slots))
