@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from . import kernels
 from .ops import filters, gumbel, logprobs, masking, penalties
 from .output import SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab, check_token_ids
@@ -110,6 +111,7 @@ class Sampler:
         self.max_logprobs = max_logprobs
         self.eos_token_ids = tuple(eos_token_ids)
         self.state = SamplerState(max_slots, vocab_size, self.device)
+        self._kernel_step = None  # the Triton step (kernels/), made on first use
 
     # ---------------------------------------------------------------- admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -166,10 +168,19 @@ class Sampler:
         slot_list = self._check_step(logits, slots)
         rows = [self.state.params[s] for s in slot_list]
         plan = plan_step(rows, self.vocab_size)
+        if kernels.use_kernels(logits, plan.logprobs_width):
+            return self._kernels().run(logits, slot_list, plan)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
         out = self._run(logits, index, plan)
         self.state.record_tokens(index, out.token_ids)
         return out
+
+    def _kernels(self):
+        """The fused Triton step (it owns its scratch buffers); made on first use."""
+        if self._kernel_step is None:
+            from .kernels.launcher import KernelStep
+            self._kernel_step = KernelStep(self)
+        return self._kernel_step
 
     def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
         st = self.state
