@@ -27,6 +27,8 @@ if importlib.util.find_spec("triton") is not None and not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 DEVICE = "cuda" if CUDA else "cpu"
+# the interpreter evaluates both sides of every tl.where (log(0), inf - inf in discarded lanes)
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams  # noqa: E402
 from tokensampler import kernels  # noqa: E402
@@ -37,7 +39,7 @@ from tokensampler.reference import LOGPROBS_MODES, ReferenceRequest, reference_s
 
 NEG_INF = float("-inf")
 # one block per row pass (fast under the interpreter) / many small blocks and 4 splits per row
-WIDE = KernelConfig(prepare_block=128, select_block=256, logprobs_block=256, pivots=64, splits=2, num_warps=4)
+WIDE = KernelConfig(prepare_block=128, select_block=512, logprobs_block=512, pivots=256, splits=2, num_warps=4)
 NARROW = KernelConfig(prepare_block=16, select_block=32, logprobs_block=32, pivots=4, splits=4, num_warps=4)
 
 
@@ -192,7 +194,7 @@ def test_kept_sets_equal_reference_on_ties(mode):
     border off by one id (ties at the border, masses equal to the bound) fails."""
     rnd = random.Random(5)
     gen = torch.Generator().manual_seed(5)
-    for _ in range(3):
+    for _ in range(2):
         batch, vocab = 8, rnd.randint(8, 20)
         logits = (torch.randint(0, 5, (batch, vocab), generator=gen).float() * 0.5 - 1.0)
         logits[0, :] = 0.0  # all tied
@@ -259,9 +261,9 @@ def test_buffers_are_reused_between_steps():
         sampler.add_request(slot, SamplingParams(temperature=1.0, top_p=0.9, seed=slot, logprobs=2), [])
     first = sampler.sample(torch.randn(2, vocab).to(DEVICE))
     step = sampler._kernel_step
-    pointers = [t.data_ptr() for t in (step.z, step.index, step.tokens, step.top_ids, step.candidates)]
+    pointers = [t.data_ptr() for t in (step.z, step.index, step.tokens, step.top_ids, step.fstat)]
     second = sampler.sample(torch.randn(2, vocab).to(DEVICE))
-    assert [t.data_ptr() for t in (step.z, step.index, step.tokens, step.top_ids, step.candidates)] == pointers
+    assert [t.data_ptr() for t in (step.z, step.index, step.tokens, step.top_ids, step.fstat)] == pointers
     assert second.token_ids.data_ptr() == first.token_ids.data_ptr()
     assert second.logprobs.top_token_ids.data_ptr() == first.logprobs.top_token_ids.data_ptr()
 

@@ -40,6 +40,8 @@ class KernelConfig:
     num_warps: int = 8
 
     def __post_init__(self) -> None:
+        if self.logprobs_block < 32:
+            raise ValueError(f"KernelConfig.logprobs_block={self.logprobs_block} is invalid: allowed a power of two >= 32")
         for name in ("prepare_block", "select_block", "logprobs_block", "pivots"):
             value = getattr(self, name)
             if value < 2 or value & (value - 1):
@@ -97,8 +99,6 @@ class KernelStep:
         self.token_ranks = make((cap,), torch.int64)
         self.top_ids = make((cap, MAX_KERNEL_LOGPROBS), torch.int64, -1)
         self.top_logprobs = make((cap, MAX_KERNEL_LOGPROBS), torch.float32, float("-inf"))
-        blocks = -(-vocab // cfg.logprobs_block)
-        self.candidates = make((cap * blocks * _pow2_ceil(MAX_KERNEL_LOGPROBS),), torch.int64)
         self.capacity = cap
         self._slots = None
         self._num_logprobs = None
@@ -157,8 +157,8 @@ class KernelStep:
             mode = self.sampler.logprobs_mode
             logprobs_kernel[(batch,)](
                 logits, logits.stride(0), self.z, self.tokens, self.num_logprobs, self.info_f, self.info_i,
-                self.candidates, self.token_logprobs, self.token_ranks, self.top_ids, self.top_logprobs,
+                self.token_logprobs, self.token_ranks, self.top_ids, self.top_logprobs,
                 vocab, MAX_KERNEL_LOGPROBS,
                 PROCESSED=mode.startswith("processed"), AS_LOGPROBS=mode.endswith("logprobs"),
-                HAS_MIN_P=plan.min_p, WIDTH=width, WPAD=_pow2_ceil(width), BLOCK=cfg.logprobs_block, **launch)
+                HAS_MIN_P=plan.min_p, WIDTH=width, WPAD=max(2, _pow2_ceil(width)), BLOCK=cfg.logprobs_block, **launch)
         return out

@@ -31,18 +31,6 @@ def mix32(x):
 
 
 @triton.jit
-def hash32(x):
-    """triple32 on uint32 words."""
-    x = x ^ (x >> 17)
-    x = x * tl.full(x.shape, TRIPLE_0, tl.uint32)
-    x = x ^ (x >> 11)
-    x = x * tl.full(x.shape, TRIPLE_1, tl.uint32)
-    x = x ^ (x >> 15)
-    x = x * tl.full(x.shape, TRIPLE_2, tl.uint32)
-    return x ^ (x >> 14)
-
-
-@triton.jit
 def row_key(seed, position, stream):
     """The uint32 row key from int64 seed, position and stream scalars (rng.row_key)."""
     seed_lo = seed.to(tl.uint32)
@@ -55,8 +43,16 @@ def row_key(seed, position, stream):
 
 @triton.jit
 def gumbel_noise(key, ids):
-    """g = float32(-log(-log(u))) for token ids (int32 tensor) under a uint32 row key."""
-    bits = hash32(key ^ ids.to(tl.uint32))
+    """g = float32(-log(-log(u))) for token ids (int32 tensor) under a uint32 row key; the bits are
+    triple32(key ^ id), rng.hash32."""
+    x = key ^ ids.to(tl.uint32)  # hash32, written out (this runs once per block)
+    x = x ^ (x >> 17)
+    x = x * tl.full(x.shape, TRIPLE_0, tl.uint32)
+    x = x ^ (x >> 11)
+    x = x * tl.full(x.shape, TRIPLE_1, tl.uint32)
+    x = x ^ (x >> 15)
+    x = x * tl.full(x.shape, TRIPLE_2, tl.uint32)
+    bits = x ^ (x >> 14)
     u = ((bits >> 8).to(tl.float64) + 0.5) * (1.0 / 16777216.0)
     return (-tl.log(-tl.log(u))).to(tl.float32)
 

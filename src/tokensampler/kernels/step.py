@@ -53,27 +53,18 @@ def key_to_value(key):
 
 
 @triton.jit
-def saturate(z, has_posinf):
-    """The +inf rule: in a row holding +inf, the +inf ids stay at 0 and every other id goes."""
-    return tl.where(has_posinf, tl.where(z == POS_INF, 0.0, NEG_INF), z)
-
-
-@triton.jit
-def load_raw(logits_row_ptr, ids, in_range):
-    """float32 logits of `ids` with NaN (and ids out of range) at -inf."""
-    x = tl.load(logits_row_ptr + ids, mask=in_range, other=NEG_INF).to(tl.float32)
-    return tl.where(x != x, NEG_INF, x)
-
-
-@triton.jit
 def sampled_block(z_row_ptr, ids, in_range, pen_posinf, t_posinf, temperature, z_max, min_p, xk, xp,
                   HAS_MIN_P: tl.constexpr):
     """For a sampled row: post-temperature z, p = exp(z - z_max), order keys, and the kept mask of
-    min-p and the top-k / top-p key thresholds `xk`, `xp` (INT64_MIN when off)."""
-    z = saturate(tl.load(z_row_ptr + ids, mask=in_range, other=NEG_INF), pen_posinf)
-    zt = saturate(tl.div_rn(z, temperature), t_posinf)
+    min-p and the top-k / top-p key thresholds `xk`, `xp` (INT64_MIN when off).
+    (`saturate` and `order_key` are written out here: this runs once per block of every pass.)"""
+    z = tl.load(z_row_ptr + ids, mask=in_range, other=NEG_INF)
+    z = tl.where(pen_posinf, tl.where(z == POS_INF, 0.0, NEG_INF), z)
+    zt = tl.div_rn(z, temperature)
+    zt = tl.where(t_posinf, tl.where(zt == POS_INF, 0.0, NEG_INF), zt)
     p = tl.exp((zt - z_max).to(tl.float64)).to(tl.float32)
-    key = order_key(zt)
+    bits = tl.where(zt == 0.0, 0.0, zt).to(tl.int32, bitcast=True)
+    key = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)
     kept = (zt > NEG_INF) & (key >= xk) & (key >= xp)
     if HAS_MIN_P:
         kept = kept & (p >= min_p)
@@ -166,7 +157,8 @@ def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_
     for start in range(begin, end, BLOCK):
         ids = start + tl.arange(0, BLOCK)
         in_range = ids < end
-        x = load_raw(logits_row, ids, in_range)
+        x = tl.load(logits_row + ids, mask=in_range, other=NEG_INF).to(tl.float32)
+        x = tl.where(x != x, NEG_INF, x)
         z = x
         if HAS_ALLOWED:
             z = tl.where(tl.load(allowed_ptr + state_row + ids, mask=in_range, other=0) != 0, z, NEG_INF)
@@ -289,14 +281,17 @@ def row_scores(logits_row, z_row, ids, in_range, status, flags, temperature, z_m
             scores = tl.where(kept, zt, NEG_INF)
         else:
             z = tl.load(z_row + ids, mask=in_range, other=NEG_INF)
-            scores = tl.where(status == STATUS_GREEDY, saturate(z, (flags & 1) != 0), NEG_INF)
+            z = tl.where((flags & 1) != 0, tl.where(z == POS_INF, 0.0, NEG_INF), z)
+            scores = tl.where(status == STATUS_GREEDY, z, NEG_INF)
     else:
-        scores = saturate(load_raw(logits_row, ids, in_range), (flags & 4) != 0)
+        x = tl.load(logits_row + ids, mask=in_range, other=NEG_INF).to(tl.float32)
+        x = tl.where(x != x, NEG_INF, x)
+        scores = tl.where((flags & 4) != 0, tl.where(x == POS_INF, 0.0, NEG_INF), x)
     return scores
 
 
 @triton.jit
-def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f_ptr, info_i_ptr, cand_ptr,
+def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f_ptr, info_i_ptr,
                     token_lp_ptr, rank_ptr, top_id_ptr, top_lp_ptr, vocab, top_stride,
                     PROCESSED: tl.constexpr, AS_LOGPROBS: tl.constexpr, HAS_MIN_P: tl.constexpr,
                     WIDTH: tl.constexpr, WPAD: tl.constexpr, BLOCK: tl.constexpr):
@@ -323,7 +318,7 @@ def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f
         pair = token + tl.arange(0, 2)
         token_score = tl.max(row_scores(logits_row, z_row, pair, pair == token, status, flags, temperature,
                                         z_max, min_p, xk, xp, PROCESSED, HAS_MIN_P))
-        # pass 1: the max score; pass 2: the sum of exp, the rank, each block's top-WIDTH keys
+        # pass 1: the max score; pass 2: the sum of exp, the rank, the top-WIDTH keys
         lane_max = tl.full([BLOCK], NEG_INF, tl.float32)
         for start in range(0, vocab, BLOCK):
             ids = start + tl.arange(0, BLOCK)
@@ -334,6 +329,7 @@ def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f
         shift = tl.where(m == NEG_INF, 0.0, m)
         lane_sum = tl.zeros([BLOCK], tl.float32)
         lane_rank = tl.zeros([BLOCK], tl.int64)
+        running = tl.where(slots < WIDTH, INT64_MIN, INT64_MAX)  # slots >= WIDTH never leave
         for start in range(0, vocab, BLOCK):
             ids = start + tl.arange(0, BLOCK)
             in_range = ids < vocab
@@ -342,12 +338,18 @@ def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f
             lane_sum += tl.exp(s - shift)
             lane_rank += (in_range & (s >= token_score)).to(tl.int64)
             if WIDTH > 0:
+                # ids by (score desc, id asc) as one int64 key; `running` holds the best WIDTH keys
+                # seen so far (unordered); a key enters only if it beats the worst of them, so most
+                # blocks cost one max after the first few
                 combined = tl.where(in_range, (order_key(s) << 32) | (0xFFFFFFFF - ids.to(tl.int64)), INT64_MIN)
-                cand_row = cand_ptr + (row.to(tl.int64) * tl.cdiv(vocab, BLOCK) + start // BLOCK) * WPAD
-                for j in range(WIDTH):
-                    top = tl.max(combined)
-                    tl.store(cand_row + j, top)
-                    combined = tl.where(combined == top, INT64_MIN, combined)
+                worst = tl.min(running)
+                best_left = tl.max(combined)
+                while best_left > worst:
+                    slot = tl.min(tl.where(running == worst, slots, WPAD))
+                    running = tl.where(slots == slot, best_left, running)
+                    combined = tl.where(combined == best_left, INT64_MIN, combined)
+                    worst = tl.min(running)
+                    best_left = tl.max(combined)
         lse = tl.where(m == NEG_INF, NEG_INF, m + tl.log(tl.sum(lane_sum)))
         if AS_LOGPROBS:
             token_value = tl.where(m == NEG_INF, token_score, token_score - lse)
@@ -355,24 +357,18 @@ def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f
             token_value = token_score
         rank = tl.sum(lane_rank)
         if WIDTH > 0:
-            n_cand = tl.cdiv(vocab, BLOCK) * WPAD
-            cand_row = cand_ptr + row.to(tl.int64) * n_cand
-            previous = tl.full([], INT64_MAX, tl.int64)
-            for j in range(WIDTH):
-                lane_top = tl.full([WPAD], INT64_MIN, tl.int64)
-                for start in range(0, n_cand, WPAD):
-                    idx = start + tl.arange(0, WPAD)
-                    c = tl.load(cand_row + idx, mask=(idx < n_cand) & ((idx % WPAD) < WIDTH), other=INT64_MIN)
-                    lane_top = tl.maximum(lane_top, tl.where(c < previous, c, INT64_MIN))
-                top = tl.max(lane_top)
-                previous = top
-                score = key_to_value(top >> 32)
-                value = score
-                if AS_LOGPROBS:
-                    value = tl.where(m == NEG_INF, score, score - lse)
-                chosen = (slots == j) & (j < num) & (top != INT64_MIN)
-                top_ids = tl.where(chosen, 0xFFFFFFFF - (top & 0xFFFFFFFF), top_ids)
-                top_values = tl.where(chosen, value, top_values)
+            # order `running` (distinct keys; unused slots hold INT64_MIN / INT64_MAX, ties by slot)
+            r_i = running[:, None]
+            r_j = running[None, :]
+            before = (r_j > r_i) | ((r_j == r_i) & (slots[None, :] < slots[:, None]))
+            place = tl.sum(before.to(tl.int32), axis=1) - (WPAD - WIDTH)
+            ordered = tl.max(tl.where(place[:, None] == slots[None, :], r_i, INT64_MIN), axis=0)
+            scores = key_to_value(ordered >> 32)
+            if AS_LOGPROBS:
+                scores = tl.where(m == NEG_INF, scores, scores - lse)
+            chosen = (slots < num) & (ordered != INT64_MIN)
+            top_ids = tl.where(chosen, 0xFFFFFFFF - (ordered & 0xFFFFFFFF), -1)
+            top_values = tl.where(chosen, scores, NEG_INF)
     tl.store(token_lp_ptr + row, token_value)
     tl.store(rank_ptr + row, rank)
     if WIDTH > 0:
