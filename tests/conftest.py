@@ -9,8 +9,5 @@ from hypothesis import settings  # noqa: E402
 
 # CI must be reproducible: a fixed example sequence there; random exploration on developer machines.
 settings.register_profile("ci", derandomize=True, print_blob=True)
-settings.register_profile("explore", max_examples=500, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-elif os.environ.get("HYPOTHESIS_PROFILE"):
-    settings.load_profile(os.environ["HYPOTHESIS_PROFILE"])
