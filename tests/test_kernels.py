@@ -230,6 +230,26 @@ def test_greedy_and_invalid_rows():
     assert got.valid.tolist() == [True, False, True, False, True]
 
 
+def test_signed_zero_ties_and_overflowing_temperature():
+    """-0.0 ties with +0.0 at the top-k border; z / T overflowing to +inf keeps only those ids (the +inf
+    rule after temperature); the whole processed row is compared (logprobs = V)."""
+    vocab = 16
+    logits = torch.linspace(-3.0, -1.0, vocab).repeat(4, 1)
+    logits[0, 3], logits[0, 9] = 0.0, -0.0
+    logits[1, 2], logits[1, 5] = 0.0, -0.0
+    logits[2, 4], logits[2, 11], logits[2, 12] = 3e38, 2e38, 1e38
+    logits[3, 7] = 3e38
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=1, logprobs=vocab),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=2, logprobs=vocab),
+              SamplingParams(temperature=0.5, seed=3, logprobs=vocab),
+              SamplingParams(temperature=1e-3, top_k=3, seed=4, logprobs=vocab)]
+    twin = Twin(params, [([], [])] * 4, vocab=vocab, padded=vocab, slots=[0, 1, 2, 3], max_slots=4,
+                mode="processed_logits", eos=(), config=WIDE)
+    out = twin.step(logits)
+    kept = [set(out.logprobs.top_token_ids[b][out.logprobs.top_logprobs[b] > NEG_INF].tolist()) for b in range(4)]
+    assert kept[0] == {3, 9} and kept[2] == {4, 11} and kept[3] == {7}
+
+
 def test_history_update_matches_record_tokens():
     """The kernel counts the token, advances position and output length, like SamplerState.record_tokens."""
     vocab = 64
