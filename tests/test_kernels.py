@@ -250,6 +250,43 @@ def test_signed_zero_ties_and_overflowing_temperature():
     assert kept[0] == {3, 9} and kept[2] == {4, 11} and kept[3] == {7}
 
 
+def test_exact_min_p_and_top_p_borders():
+    """p = exp(ln 0.5) is exactly 0.5 in float32: min_p = 0.5 keeps those ids (>=), and top_p = 0.5
+    over masses 1 + 0.5 + 0.5 removes them (the mass above, 1.0, is not < 0.5 * 2.0)."""
+    vocab = 12
+    half = float(torch.tensor(math.log(0.5), dtype=torch.float32))
+    logits = torch.full((3, vocab), NEG_INF)
+    logits[:, 2] = 0.0
+    logits[:, 5] = half
+    logits[:, 8] = half
+    params = [SamplingParams(temperature=1.0, min_p=0.5, seed=1, logprobs=vocab),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=2, logprobs=vocab),
+              SamplingParams(temperature=1.0, top_p=0.5 + 1e-9, seed=3, logprobs=vocab)]
+    twin = Twin(params, [([], [])] * 3, vocab=vocab, padded=vocab, slots=[0, 1, 2], max_slots=3,
+                mode="processed_logits", eos=(), config=WIDE)
+    out = twin.step(logits)
+    kept = [set(out.logprobs.top_token_ids[b][out.logprobs.top_logprobs[b] > NEG_INF].tolist()) for b in range(3)]
+    assert kept == [{2, 5, 8}, {2}, {2, 5, 8}]
+
+
+def test_stop_and_eos_ids_removed_below_min_tokens():
+    """Below min_tokens the stop ids and the sampler's EOS ids go (even when they are the maxima); at
+    min_tokens they are back. Two steps: the output length counted by the kernel ends the ban."""
+    vocab, eos = 30, (7,)
+    logits = torch.linspace(0.0, 1.0, vocab).repeat(3, 1)
+    logits[:, 4] = 40.0  # a stop id of rows 0 and 2
+    logits[:, 7] = 50.0  # the EOS id
+    params = [SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[4]),
+              SamplingParams(temperature=0.8, seed=5, min_tokens=3),
+              SamplingParams(temperature=0.0, min_tokens=1, stop_token_ids=[4])]
+    histories = [([], []), ([1], [2, 3]), ([], [5])]
+    twin = Twin(params, histories, vocab=vocab, padded=vocab, slots=[0, 1, 2], max_slots=3,
+                mode="raw_logprobs", eos=eos, config=WIDE)
+    assert twin.step(logits).token_ids.tolist() == [29, 4, 7]
+    assert twin.step(logits).token_ids.tolist() == [29, 7, 7]
+    assert twin.step(logits).token_ids.tolist() == [7, 7, 7]
+
+
 def test_history_update_matches_record_tokens():
     """The kernel counts the token, advances position and output length, like SamplerState.record_tokens."""
     vocab = 64
@@ -310,12 +347,12 @@ def test_backend_choice(monkeypatch):
 def test_sampler_dispatch(monkeypatch):
     """The Sampler runs the kernels when asked, the torch step otherwise, with the same tokens."""
     vocab = 80
-    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=9, logprobs=25)
     tokens = {}
     for backend in ("torch", "triton"):
         monkeypatch.setenv(kernels.BACKEND_ENV, backend)
-        sampler = Sampler(vocab, max_slots=3, max_logprobs=25)
+        sampler = Sampler(vocab, max_slots=3, max_logprobs=25, device=DEVICE)
         for slot in range(3):
             sampler.add_request(slot, params, [])
         sampler.sample(logits)
