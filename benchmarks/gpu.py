@@ -107,8 +107,8 @@ def flashinfer_step(case: bench.BenchCase, logits: torch.Tensor):
     return step
 
 
-def run_case(case: bench.BenchCase, rounds: int, iters: int) -> dict:
-    device = torch.device("cuda")
+def run_case(case: bench.BenchCase, rounds: int, iters: int, device: torch.device | None = None) -> dict:
+    device = device or torch.device("cuda")
     logits = bench.make_logits(case.batch, case.vocab, flat=case.flat, device=device)
     prompts, outputs = bench.make_histories(case)
     os.environ[BACKEND_ENV] = "auto"

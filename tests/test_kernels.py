@@ -177,7 +177,7 @@ def test_gumbel_noise_is_bit_identical_to_rng():
 
 
 @pytest.mark.parametrize("mode", LOGPROBS_MODES)
-@pytest.mark.parametrize("case_seed", range(3))
+@pytest.mark.parametrize("case_seed", range(2))
 def test_random_batches_match_reference(case_seed, mode):
     run_random_case(1000 * case_seed + LOGPROBS_MODES.index(mode), mode, WIDE)
 
@@ -369,6 +369,25 @@ def test_kernel_config_validation():
         KernelConfig(prepare_block=100)
     with pytest.raises(ValueError, match="splits"):
         KernelConfig(splits=3)
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    """The compiler (not the interpreter) accepts every kernel; the PTX divides correctly rounded,
+    contracts no float32 multiply-add and spills nothing (runs in a process without the interpreter)."""
+    import json
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    done = subprocess.run([sys.executable, "-m", "tokensampler.kernels.compile_check", "--arch", "90"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert set(report) == {"prepare", "select", "logprobs"}
+    assert report["prepare"]["div_rn_f32"] > 0 and report["select"]["div_rn_f32"] > 0
+    for name, counts in report.items():
+        assert counts["div_inexact_f32"] == 0 and counts["fma_f32"] == 0 and counts["local_memory"] == 0, name
 
 
 @pytest.mark.skipif(not CUDA, reason="CUDA graph capture needs a CUDA device")
