@@ -94,7 +94,15 @@ def search_threshold(z_row_ptr, vocab, pen_posinf, t_posinf, temperature, z_max,
                      BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """The smallest key x in (lo, hi] with A(x) < limit, where A(x) is the number (or the float64
     mass) of kept ids whose key is > x. A falls as x grows, A(hi) < limit and A(lo) >= limit, so
-    an id stays iff its key >= x. NPIV pivots per pass: 32 bits in <= 9 passes over the row."""
+    an id stays iff its key >= x. NPIV pivots per pass: 32 bits in <= 9 passes over the row.
+
+    A(hi) is carried from pass to pass (0 at first: hi is the max), so a pass only weighs the ids
+    inside the window (lo, hi] against the pivots: A(pivot) = A(hi) + their share above the pivot.
+    After the first pass few ids are in the window, and blocks without any skip the pivot work."""
+    if BY_MASS:
+        above_hi = tl.full([], 0.0, tl.float64)
+    else:
+        above_hi = tl.full([], 0, tl.int64)
     while hi - lo > 1:
         step = (hi - lo + NPIV - 1) // NPIV
         pivots = tl.minimum(lo + step * (1 + tl.arange(0, NPIV)).to(tl.int64), hi)
@@ -106,15 +114,20 @@ def search_threshold(z_row_ptr, vocab, pen_posinf, t_posinf, temperature, z_max,
             ids = start + tl.arange(0, BLOCK)
             zt, p, key, kept = sampled_block(z_row_ptr, ids, ids < vocab, pen_posinf, t_posinf, temperature,
                                              z_max, min_p, xk, INT64_MIN, HAS_MIN_P)
-            hit = kept[None, :] & (key[None, :] > pivots[:, None])
-            if BY_MASS:
-                above += tl.sum(tl.where(hit, p.to(tl.float64)[None, :], 0.0), axis=1)
-            else:
-                above += tl.sum(hit.to(tl.int64), axis=1)
+            window = kept & (key > lo) & (key <= hi)
+            if tl.max(window.to(tl.int32)) > 0:
+                hit = window[None, :] & (key[None, :] > pivots[:, None])
+                if BY_MASS:
+                    above += tl.sum(tl.where(hit, p.to(tl.float64)[None, :], 0.0), axis=1)
+                else:
+                    above += tl.sum(hit.to(tl.int64), axis=1)
+        above = above_hi + above
         if BY_MASS:
             ok = above < max_mass
+            above_hi = tl.max(tl.where(ok, above, 0.0))
         else:
             ok = above < max_count
+            above_hi = tl.max(tl.where(ok, above, 0))
         hi = tl.min(tl.where(ok, pivots, hi))
         lo = tl.max(tl.where(ok, lo, pivots))
     return hi
