@@ -155,10 +155,14 @@ class KernelStep:
                 self.num_logprobs[:batch].copy_(torch.tensor(plan.num_logprobs, dtype=torch.int64))
                 self._num_logprobs = list(plan.num_logprobs)
             mode = self.sampler.logprobs_mode
+            # top-N computed for N rounded up to 1, 2, 4, 8, 16 or 20 (one compiled variant each);
+            # each row keeps its own N, the output shows the batch's widest
+            computed = min(_pow2_ceil(width), MAX_KERNEL_LOGPROBS) if width else 0
             logprobs_kernel[(batch,)](
                 logits, logits.stride(0), self.z, self.tokens, self.num_logprobs, self.info_f, self.info_i,
                 self.token_logprobs, self.token_ranks, self.top_ids, self.top_logprobs,
                 vocab, MAX_KERNEL_LOGPROBS,
                 PROCESSED=mode.startswith("processed"), AS_LOGPROBS=mode.endswith("logprobs"),
-                HAS_MIN_P=plan.min_p, WIDTH=width, WPAD=max(2, _pow2_ceil(width)), BLOCK=cfg.logprobs_block, **launch)
+                HAS_MIN_P=plan.min_p, WIDTH=computed, WPAD=max(2, _pow2_ceil(computed)), BLOCK=cfg.logprobs_block,
+                **launch)
         return out
