@@ -26,9 +26,11 @@ from typing import Sequence
 
 import torch
 
+from . import rng
 from .ops import filters, gumbel, logprobs, masking, penalties
 from .output import SamplerOutput
-from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab, check_token_ids
+from .params import (INT64_MIN, UINT64_MAX, InvalidSamplingParams, SamplingParams, check_params_for_vocab,
+                     check_token_ids)
 from .reference import LOGPROBS_MODES
 from .state import SamplerState
 
@@ -137,6 +139,57 @@ class Sampler:
         self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids)
         return seed
 
+    def set_params(self, slot: int, params: SamplingParams) -> None:
+        """Replace the parameters of an occupied `slot`, keeping its seed, position and history."""
+        self._check_occupied(slot)
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParams("params", params, "a SamplingParams")
+        check_params_for_vocab(params, self.vocab_size, self.max_logprobs)
+        self.state.write_params(slot, params, self.eos_token_ids)
+
+    def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
+                  streams: Sequence[int]) -> None:
+        """Set the seed, position and stream of occupied slots (one entry per slot), all at once."""
+        for slot in slots:
+            self._check_occupied(slot)
+        if not len(slots) == len(seeds) == len(positions) == len(streams):
+            raise InvalidSamplingParams("seeds/positions/streams", (len(seeds), len(positions), len(streams)),
+                                        f"one entry per slot ({len(slots)})")
+        for name, values, low, high in (("seed", seeds, INT64_MIN, UINT64_MAX), ("position", positions, 0, 2**32 - 1),
+                                        ("stream", streams, 0, 2**32 - 1)):
+            for value in values:
+                if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                    raise InvalidSamplingParams(name, value, f"an int in [{low}, {high}]")
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        self.state.set_noise(as_tensor(list(slots)), as_tensor([rng.seed_to_int64(s) for s in seeds]),
+                             as_tensor(list(positions)), as_tensor(list(streams)))
+        for slot, seed in zip(slots, seeds):
+            self.state.seeds[slot] = seed
+
+    def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
+                      output_token_ids: torch.Tensor | None) -> None:
+        """Rebuild the penalty history of occupied slots from `[len(slots), S]` ids, -1 = padding.
+
+        prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
+        (and the output length that min_tokens counts).
+        """
+        for slot in slots:
+            self._check_occupied(slot)
+        tensors = []
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
+            if ids is not None:
+                if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != len(slots) \
+                        or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                    raise InvalidSamplingParams(name, getattr(ids, "shape", ids),
+                                                f"an integer tensor [{len(slots)}, S] (-1 = padding)")
+                ids = ids.to(device=self.device, dtype=torch.int64)
+                if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.vocab_size):
+                    raise InvalidSamplingParams(name, (int(ids.min()), int(ids.max())),
+                                                f"token ids in [0, {self.vocab_size}) or -1 (padding)")
+            tensors.append(ids)
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        self.state.rebuild_history(index, tensors[0], tensors[1])
+
     def remove_request(self, slot: int) -> None:
         """Free `slot`; sampling it again needs a new `add_request`."""
         self._check_slot(slot)
@@ -157,18 +210,25 @@ class Sampler:
         return self.state.params[slot]
 
     # ---------------------------------------------------------------- the step
-    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None, *,
+               record: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token for each row of `logits` ([B, padded_vocab_size], fp32/fp16/bf16).
 
         Row b belongs to `slots[b]` (default 0..B-1). Each sampled token is counted into its
         slot's history and the slot's position advances by one.
+        record: optional bool [B] on the sampler's device; rows where it is False are sampled but
+        neither counted nor advanced (their slot's state is left as it was).
         """
         slot_list = self._check_step(logits, slots)
+        if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
+                                   or tuple(record.shape) != (len(slot_list),)):
+            raise InvalidSamplingParams("record", getattr(record, "shape", record),
+                                        f"None or a bool tensor of shape ({len(slot_list)},)")
         rows = [self.state.params[s] for s in slot_list]
         plan = plan_step(rows, self.vocab_size)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
         out = self._run(logits, index, plan)
-        self.state.record_tokens(index, out.token_ids)
+        self.state.record_tokens(index, out.token_ids, record)
         return out
 
     def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
