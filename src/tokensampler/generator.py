@@ -220,7 +220,7 @@ class SamplingGenerator:
         g * max_batch_size + b. Lanes past a short list keep their parameters; a scalar applies to
         every occupied lane. Values on empty slots are ignored (empty slots are admitted by prefill).
         prompt_tokens, output_tokens: `[max_batch_size * sampling_dp, S]`, -1 = padding, by slot.
-        positions: the next token's position of each slot (None for empty slots).
+        positions: the next token's position of each slot (None: keep the slot's counter).
         """
         n = self.num_lanes
         for name, flag in (("reload_sampling_params", reload_sampling_params),
@@ -248,14 +248,14 @@ class SamplingGenerator:
             given = self._chunk_lanes(chunks, occupied)
         live = [s for s in range(n) if occupied[s]]
         prompts = outputs = None
-        position_list: list[int] = []
+        new_positions: dict[int, int] = {}
         if reset_sampling_state:
             if prompt_tokens is not None:
                 prompts = self._token_rows("prompt_tokens", prompt_tokens, n)
             if output_tokens is not None:
                 outputs = self._token_rows("output_tokens", output_tokens, n)
             if positions is not None:
-                position_list = self._positions(positions, live)
+                new_positions = self._positions(positions, live)
             if sampling_mode == "device" and prompts is None and live:
                 prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
                 if any(prompt_stale[s] for s in live):
@@ -275,8 +275,7 @@ class SamplingGenerator:
             for slot, request in given.items():
                 by_slot[slot] = request.seed
             self.seed_manager.reset_seed_from_slots(by_slot, list(given))
-            if positions is not None:
-                self.seed_manager.align_seed_counters_to_positions(live, position_list)
+            self.seed_manager.align_seed_counters_to_positions(list(new_positions), list(new_positions.values()))
             if live:
                 index = torch.tensor(live, dtype=torch.int64)
                 self.sampler.reset_history(live, None if prompts is None else prompts[index].to(self.device),
@@ -464,16 +463,19 @@ class SamplingGenerator:
             raise InvalidSamplingParams(name, bad, f"token ids in [0, {self.vocab_size}) or -1 (padding)")
         return ids
 
-    def _positions(self, positions: Any, live: list[int]) -> list[int]:
+    def _positions(self, positions: Any, live: list[int]) -> dict[int, int]:
+        """slot -> new position for the occupied slots whose entry is not None."""
         values = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
         if len(values) != self.num_lanes:
             raise InvalidSamplingParams("positions", f"{len(values)} entries", f"one per slot ({self.num_lanes})")
-        out = []
+        out = {}
         for slot in live:
             value = values[slot]
+            if value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < POSITION_LIMIT:
-                raise InvalidSamplingParams(f"positions[{slot}]", value, f"an int in [0, {POSITION_LIMIT})")
-            out.append(value)
+                raise InvalidSamplingParams(f"positions[{slot}]", value, f"None or an int in [0, {POSITION_LIMIT})")
+            out[slot] = value
         return out
 
     def _check_logits(self, logits: torch.Tensor) -> int:
