@@ -47,11 +47,23 @@ def fresh_token(request: Request, logits_row: torch.Tensor, vocab_size: int, **s
     return int(sampler.sample(logits_row[None]).token_ids[0])
 
 
+def fresh_tokens(requests: list[Request], logits_rows: torch.Tensor, vocab_size: int) -> list[int]:
+    """The same as `fresh_token` for each request, from one fresh Sampler holding all of them, one
+    per slot (a row's token does not depend on the rest of the batch): the fast form of the check."""
+    sampler = Sampler(vocab_size, max_slots=len(requests), padded_vocab_size=logits_rows.shape[-1],
+                      eos_token_ids=EOS)
+    for slot, request in enumerate(requests):
+        sampler.add_request(slot, dataclasses.replace(request.params, seed=request.seed), request.prompt,
+                            output_token_ids=request.outputs, position=request.position, stream=request.stream)
+    return sampler.sample(logits_rows).token_ids.tolist()
+
+
 class Engine:
     """Slots of requests over a generator; every method mirrors one engine action."""
 
     def __init__(self, vocab_size: int = 64, max_batch_size: int = 4, sampling_dp: int = 1,
-                 padded_vocab_size: int | None = None, seed: int = 0, generator: SamplingGenerator | None = None):
+                 padded_vocab_size: int | None = None, seed: int = 0, generator: SamplingGenerator | None = None,
+                 batched_check: bool = False):
         self.vocab_size = vocab_size
         self.padded = padded_vocab_size or vocab_size
         self.gen = generator or SamplingGenerator(vocab_size, max_batch_size=max_batch_size,
@@ -62,9 +74,14 @@ class Engine:
         self.rng = torch.Generator().manual_seed(seed)
         self.next_rid = 0
         self.pending_remap: list[int] | None = None
-        self.needs_rebuild = False   # what the engine knows: host steps or host remaps happened
+        self.stale: set[int] = set()  # what the engine knows: slots whose device rows missed host steps
         self.steps = 0
         self.checked_tokens = 0
+        self.batched_check = batched_check  # one fresh Sampler for all rows instead of one per request
+
+    @property
+    def needs_rebuild(self) -> bool:
+        return bool(self.stale)
 
     # ---------------------------------------------------------------- layout
     def free_slots(self) -> list[int]:
@@ -83,6 +100,7 @@ class Engine:
         batch = BatchSamplingParams.from_requests([p for _, p, _ in entries])
         seeds = self.gen.apply_prefill_state(sampling_params=batch, prompt_tokens=prompts, empty_slots=slots,
                                              streams=streams)
+        self.stale -= set(slots)  # a prefill rebuilds the rows it admits (and only those)
         for i, ((slot, params, prompt), seed) in enumerate(zip(entries, seeds)):
             if params.seed is not None:
                 assert seed == params.seed
@@ -93,8 +111,8 @@ class Engine:
 
     def finish(self, slot: int, release: bool = False) -> None:
         self.slots[slot] = None
-        if release:
-            self.gen.release_slots([slot])
+        if release:  # the generator sees the layout of the last decode: address the slot there
+            self.gen.release_slots([slot if self.pending_remap is None else self.pending_remap[slot]])
 
     def remap(self, remap: list[int]) -> None:
         """The scheduler's layout change: new slot i takes old slot remap[i]; sent with the next decode."""
@@ -149,11 +167,11 @@ class Engine:
         self.pending_remap = None  # consumed by the call that carried it
         logits = self.logits() if logits is None else logits
         if mode == "host":
-            self.needs_rebuild = True
+            self.stale = set(range(self.n))
             tokens = self._host_tokens(logits)
             self._check_and_record(logits, tokens, self.live_slots(), device=False)
         else:
-            self.needs_rebuild = False
+            self.stale = set()
             tokens, _ = self.gen.sample(logits, enable_trace=enable_trace)
             self._check_and_record(logits, tokens, self.live_slots())
         self.steps += 1
@@ -190,17 +208,22 @@ class Engine:
                 if slot not in occupied:
                     z = logits[slot, :self.vocab_size].float()
                     assert int(tokens[slot]) == int(torch.argmax(z)), slot
-        for slot in active:
+        if self.batched_check and active:
+            expected = fresh_tokens([self.slots[s] for s in active], logits[active], self.vocab_size)
+        else:
+            expected = [fresh_token(self.slots[s], logits[s], self.vocab_size) for s in active]
+        for slot, want in zip(active, expected):
             r = self.slots[slot]
-            expected = fresh_token(r, logits[slot], self.vocab_size)
-            assert int(tokens[slot]) == expected, (self.steps, slot, r, int(tokens[slot]), expected)
+            assert int(tokens[slot]) == want, (self.steps, slot, r, int(tokens[slot]), want)
             r.outputs.append(int(tokens[slot]))
             self.checked_tokens += 1
         self.check_host_state()
 
     def check_host_state(self) -> None:
-        """The generator's seeds and positions follow every live request."""
+        """The generator's seeds and positions follow every live request (through a pending remap,
+        which the generator has not seen yet)."""
         for slot in self.live_slots():
             r = self.slots[slot]
-            assert self.gen.seed_manager.snapshot(slot) == (r.seed, r.position, r.stream), (slot, r)
+            held = slot if self.pending_remap is None else self.pending_remap[slot]
+            assert self.gen.seed_manager.snapshot(held) == (r.seed, r.position, r.stream), (slot, r)
         self.gen.verify_device_state()

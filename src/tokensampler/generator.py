@@ -300,6 +300,9 @@ class SamplingGenerator:
             self.sampler.state.move(dst, torch.tensor(remap, dtype=torch.int64, device=self.device))
         else:  # the device rows stay where they are, now under other requests: rebuilt before use
             self._stale = [True] * self.num_lanes
+            for slot in range(self.num_lanes):
+                if not self._occupied[slot]:  # an empty lane stays the neutral greedy row
+                    self._write_device_params(slot)
 
     @staticmethod
     def _remapped(prompt_stale: list[bool], remap: list[int] | None, sampling_mode: str) -> list[bool]:
