@@ -537,6 +537,7 @@ def test_trace_bookkeeping_on_cpu():
     other = engine.logits()
     engine.decode(enable_trace=True, logits=other)  # a new capture may bind another tensor
     assert gen.trace_captures == 2
+    assert [key.force_argmax for key in gen.trace_keys()] == [False]  # the greedy step was dropped
     # same key, another plan (top-k appears): captured again on the same tensor
     engine.slots[2] = dataclasses.replace(engine.slots[2], params=SP(temperature=0.9, seed=4, top_k=3))
     other.copy_(engine.logits())
@@ -551,3 +552,8 @@ def test_trace_bookkeeping_on_cpu():
     assert gen.trace_captures == 4 and tokens.shape == (2,)
     engine._check_and_record(small, tokens, [0, 1])
     engine.decode(enable_trace=True, logits=other)
+    # every lane greedy again: force-argmax flips back, and the step is captured afresh on any tensor
+    engine.finish(2, release=True)
+    fresh = engine.logits()
+    engine.decode(enable_trace=True, logits=fresh)
+    assert gen.trace_captures == 5 and len(gen.trace_keys()) == 1 and gen.trace_keys()[0].force_argmax
