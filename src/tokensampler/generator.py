@@ -352,6 +352,10 @@ class SamplingGenerator:
         self.last_output = out
         return out.token_ids, out.logprobs
 
+    def trace_keys(self) -> list[TraceKey]:
+        """The keys of the steps captured now."""
+        return list(self._traces)
+
     def clear_traces(self) -> None:
         """Drop every captured step (the next traced call captures again)."""
         self._traces.clear()
