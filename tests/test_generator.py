@@ -557,3 +557,20 @@ def test_trace_bookkeeping_on_cpu():
     fresh = engine.logits()
     engine.decode(enable_trace=True, logits=fresh)
     assert gen.trace_captures == 5 and len(gen.trace_keys()) == 1 and gen.trace_keys()[0].force_argmax
+
+
+def test_reset_without_prompts_keeps_the_prompt_history():
+    gen = SamplingGenerator(V, max_batch_size=2, device="cpu")
+    params = SP(temperature=0.0, repetition_penalty=100.0)
+    gen.apply_prefill_state(sampling_params=BatchSamplingParams.from_requests([params, params]),
+                            prompt_tokens=[[7, -1], [8, 9]], empty_slots=[0, 1])
+    logits = torch.zeros(2, V)
+    logits[:, 7] = 5.0
+    logits[:, 8] = 4.0
+    logits[:, 9] = 3.0
+    gen.apply_decode_state([BatchSamplingParams.from_requests([params, params])], reload_sampling_params=True,
+                           reset_sampling_state=True, output_tokens=[[5], [-1]])
+    assert gen.sample(logits)[0].tolist() == [8, 7]   # the prompts still penalise 7 (slot 0), 8 and 9 (slot 1)
+    gen.apply_decode_state([BatchSamplingParams.from_requests([params, params])], reload_sampling_params=False,
+                           reset_sampling_state=True, prompt_tokens=[[-1], [9]], output_tokens=[[8], [-1]])
+    assert gen.sample(logits)[0].tolist() == [7, 8]   # new prompts; slot 0 has output 8 penalised
