@@ -572,5 +572,5 @@ def test_reset_without_prompts_keeps_the_prompt_history():
                            reset_sampling_state=True, output_tokens=[[5], [-1]])
     assert gen.sample(logits)[0].tolist() == [8, 7]   # the prompts still penalise 7 (slot 0), 8 and 9 (slot 1)
     gen.apply_decode_state([BatchSamplingParams.from_requests([params, params])], reload_sampling_params=False,
-                           reset_sampling_state=True, prompt_tokens=[[-1], [9]], output_tokens=[[8], [-1]])
+                           reset_sampling_state=True, prompt_tokens=[[-1], [7]], output_tokens=[[8], [-1]])
     assert gen.sample(logits)[0].tolist() == [7, 8]   # new prompts; slot 0 has output 8 penalised
