@@ -574,3 +574,18 @@ def test_reset_without_prompts_keeps_the_prompt_history():
     gen.apply_decode_state([BatchSamplingParams.from_requests([params, params])], reload_sampling_params=False,
                            reset_sampling_state=True, prompt_tokens=[[-1], [7]], output_tokens=[[8], [-1]])
     assert gen.sample(logits)[0].tolist() == [7, 8]   # new prompts; slot 0 has output 8 penalised
+
+
+def test_readme_example_runs_and_keeps_requests_in_their_slots(capsys):
+    """The worked engine loop of docs/generator.md (the README section) runs as written."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "generator.md").read_text()
+    code = text.split("## README section", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/generator.md", "exec"), namespace)
+    gen, slots, tokens = namespace["gen"], namespace["slots"], namespace["tokens"]
+    assert "refused:" in capsys.readouterr().out
+    for slot in (0, 1):
+        s = slots[slot]
+        assert gen.position_of(slot) == len(s["prompt"]) + len(s["outputs"]) + 1  # the last token counted
+    assert slots[1]["prompt"] == [11, 12, 13] and gen.seed_of(1) == 7
