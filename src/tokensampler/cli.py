@@ -1,0 +1,54 @@
+"""The `tokensampler` command line: `tokensampler bench` (the main job) and friends.
+
+Each subcommand is a (build parser, run) pair in `SUBCOMMANDS`; modules that own a subcommand
+provide both functions, and this file only wires them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable, Sequence
+
+from . import bench
+
+
+def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser("bench", help="time the workload matrix and check it against the reference")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds: about a minute")
+    parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
+    parser.add_argument("--case", dest="cases", action="append", default=None,
+                        help="run only this case (repeatable); default: the whole matrix")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per arm (default 7, quick 3)")
+    return parser
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
+                              cases=args.cases, rounds=args.rounds)
+    print(bench.format_table(results))
+    mismatched = [r["case"] for r in results if r["reference_rows_equal"] != r["rows"]]
+    if mismatched:
+        print(f"tokens differ from reference.py in: {', '.join(mismatched)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+SUBCOMMANDS: list[tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
+                        Callable[[argparse.Namespace], int]]] = [
+    (add_bench_parser, run_bench_command),
+]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokensampler", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for build, run in SUBCOMMANDS:
+        build(sub).set_defaults(run=run)
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
