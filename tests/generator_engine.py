@@ -90,7 +90,8 @@ class Engine:
     def live_slots(self) -> list[int]:
         return [s for s in range(self.n) if self.slots[s] is not None]
 
-    def admit(self, entries: list[tuple[int, SamplingParams, list[int]]], streams: list[int] | None = None) -> list[int]:
+    def admit(self, entries: list[tuple[int, SamplingParams, list[int]]],
+              streams: list[int] | None = None) -> list[int]:
         """Prefill: (slot, params, prompt) per request; returns the slots admitted."""
         slots = [slot for slot, _, _ in entries]
         width = max([len(p) for _, _, p in entries] + [1])

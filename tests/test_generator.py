@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from generator_engine import EOS, Engine, fresh_token
+from generator_engine import EOS, Engine
 from tokensampler.batch_params import (PADDING_LANE, BatchSamplingParams, broadcast_sampling_params,
                                        chunk_sampling_params, format_sampling_params,
                                        scatter_sampling_params_to_slots, slice_sampling_params)
@@ -583,9 +583,24 @@ def test_readme_example_runs_and_keeps_requests_in_their_slots(capsys):
     code = text.split("## README section", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(compile(code, "docs/generator.md", "exec"), namespace)
-    gen, slots, tokens = namespace["gen"], namespace["slots"], namespace["tokens"]
+    gen, slots = namespace["gen"], namespace["slots"]
     assert "refused:" in capsys.readouterr().out
     for slot in (0, 1):
         s = slots[slot]
         assert gen.position_of(slot) == len(s["prompt"]) + len(s["outputs"]) + 1  # the last token counted
     assert slots[1]["prompt"] == [11, 12, 13] and gen.seed_of(1) == 7
+
+
+def test_a_lane_emptied_by_a_host_remap_is_greedy_while_the_rest_is_stale():
+    engine = Engine(max_batch_size=4)
+    hot = SP(temperature=5.0, seed=3)
+    engine.admit([(0, hot, [1]), (1, hot, [2])])
+    engine.decode()
+    engine.remap([2, 1, 0, 3])            # the request in slot 0 moves to slot 2; slot 0 is empty now
+    engine.decode("host")
+    for _ in range(4):                     # prefill steps on the device while slots 1 and 2 are stale
+        slot = engine.free_slots()[-1]
+        engine.admit([(slot, hot, [3])])
+        engine.prefill_sample([slot])      # checks that lane 0 returns its greedy id
+        engine.finish(slot, release=True)
+    engine.decode()

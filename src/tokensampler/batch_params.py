@@ -110,7 +110,7 @@ def _make_params(values: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _as_batch(params: Any) -> BatchSamplingParams:
+def as_batch_params(params: Any) -> BatchSamplingParams:
     """A `BatchSamplingParams` from itself or from a duck-typed object with the same attributes."""
     if isinstance(params, BatchSamplingParams):
         return params
@@ -171,7 +171,7 @@ def format_sampling_params(params: Any, max_batch_size: int, *, vocab_size: int 
     """
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise InvalidSamplingParams("max_batch_size", max_batch_size, "an int >= 1")
-    batch = _as_batch(params)
+    batch = as_batch_params(params)
     lanes = batch.num_lanes()
     lanes = max_batch_size if lanes is None else lanes
     if lanes > max_batch_size:
@@ -189,7 +189,7 @@ def format_sampling_params(params: Any, max_batch_size: int, *, vocab_size: int 
 
 def broadcast_sampling_params(params: Any, idx: int, slot_len: int) -> BatchSamplingParams:
     """Lane `idx` of `params` repeated over `slot_len` lanes (every field a list)."""
-    batch = _as_batch(params)
+    batch = as_batch_params(params)
     lanes = batch.num_lanes()
     if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < (lanes if lanes is not None else idx + 1):
         raise InvalidSamplingParams("idx", idx, f"a lane in [0, {lanes})")
@@ -201,7 +201,7 @@ def broadcast_sampling_params(params: Any, idx: int, slot_len: int) -> BatchSamp
 
 def chunk_sampling_params(params: Any, sampling_dp: int) -> list[BatchSamplingParams]:
     """Split into `sampling_dp` groups: each list into equal consecutive parts, scalars replicated."""
-    batch = _as_batch(params)
+    batch = as_batch_params(params)
     if isinstance(sampling_dp, bool) or not isinstance(sampling_dp, int) or sampling_dp < 1:
         raise InvalidSamplingParams("sampling_dp", sampling_dp, "an int >= 1")
     lanes = batch.num_lanes()
@@ -215,7 +215,7 @@ def chunk_sampling_params(params: Any, sampling_dp: int) -> list[BatchSamplingPa
 
 def slice_sampling_params(params: Any, start: int, stop: int) -> BatchSamplingParams:
     """Lanes [start, stop) of every list; scalars kept."""
-    batch = _as_batch(params)
+    batch = as_batch_params(params)
     lanes = batch.num_lanes()
     for name, value in (("start", start), ("stop", stop)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (lanes is not None and value > lanes):
@@ -232,7 +232,7 @@ def scatter_sampling_params_to_slots(params: Any, empty_slots: Sequence[int], sl
     Every other slot takes its lane of `base` (e.g. the cached full-batch parameters, so live
     decodes keep theirs) or, without `base`, the padding lane. Returns `slot_len` lanes.
     """
-    batch = _as_batch(params)
+    batch = as_batch_params(params)
     slots = list(empty_slots)
     if isinstance(slot_len, bool) or not isinstance(slot_len, int) or slot_len < 1:
         raise InvalidSamplingParams("slot_len", slot_len, "an int >= 1")
@@ -245,7 +245,7 @@ def scatter_sampling_params_to_slots(params: Any, empty_slots: Sequence[int], sl
     if lanes is not None and lanes != len(slots):
         raise InvalidSamplingParams("params", f"{lanes} lanes", f"one lane per empty slot ({len(slots)})")
     if base is not None:
-        base_batch = _as_batch(base)
+        base_batch = as_batch_params(base)
         if base_batch.num_lanes() not in (None, slot_len):
             raise InvalidSamplingParams("base", f"{base_batch.num_lanes()} lanes", f"{slot_len} lanes")
         base_fields = set(base_batch.per_lane_fields())

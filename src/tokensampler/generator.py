@@ -12,18 +12,20 @@
 
 from __future__ import annotations
 
-import warnings
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
 
 from . import rng
-from .batch_params import BatchSamplingParams, _as_batch, format_sampling_params
+from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
 from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
-from .sampler import Sampler, plan_step
-from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap
+from .sampler import Sampler
+from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap, rank_local_slot_remap
+from .tracing import StepTracer, TraceKey, TraceMismatch
+
+__all__ = ["BatchSamplingParams", "NEUTRAL_PARAMS", "SamplingGenerator", "SeedManager", "StaleSamplingState",
+           "TraceKey", "TraceMismatch", "rank_local_slot_remap"]
 
 SAMPLING_MODES = ("device", "host")
 # What an empty slot holds: the greedy row, no history, never counted.
@@ -33,61 +35,6 @@ NEUTRAL_PARAMS = SamplingParams(temperature=0.0)
 class StaleSamplingState(InvalidSamplingParams):
     """The device buffers are stale (host sampling ran, or changed the layout) and this call did not
     command the full rebuild (`reload_sampling_params=True` and `reset_sampling_state=True`)."""
-
-
-class TraceMismatch(InvalidSamplingParams):
-    """A traced step was replayed with another logits tensor than the one it was captured with."""
-
-
-@dataclass(frozen=True)
-class TraceKey:
-    """One captured step per key (the rest of the step plan is checked at replay)."""
-
-    penalties: bool
-    logprobs: bool
-    force_argmax: bool
-    batch: int
-
-
-@dataclass
-class _Trace:
-    logits_id: tuple           # (data_ptr, shape, stride, dtype, device) of the static input
-    signature: tuple           # the rows' parameters the step plan was made from
-    graph: Any = None          # torch.cuda.CUDAGraph, or None for an eager step
-    record: torch.Tensor | None = None
-    output: SamplerOutput | None = None
-    replays: int = field(default=0)
-
-
-def _tensor_id(tensor: torch.Tensor) -> tuple:
-    return tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device
-
-
-def rank_local_slot_remap(global_remap: Sequence[int] | torch.Tensor, lane: int, lane_stride: int,
-                          local_width: int) -> list[int]:
-    """The part of a global lane-major remap that one lane (replica) applies to its local slots.
-
-    Entries [lane * lane_stride, (lane + 1) * lane_stride) of `global_remap`, minus the lane base,
-    then the identity for the local slots past `lane_stride` up to `local_width` (the padded width).
-    Raises `InvalidSamplingParams` when an entry leaves the lane or the sizes do not fit.
-    """
-    values = global_remap.tolist() if isinstance(global_remap, torch.Tensor) else list(global_remap)
-    for name, value, low in (("lane", lane, 0), ("lane_stride", lane_stride, 1), ("local_width", local_width, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise InvalidSamplingParams(name, value, f"an int >= {low}")
-    if lane_stride > local_width:
-        raise InvalidSamplingParams("lane_stride", lane_stride, f"at most local_width={local_width}")
-    base = lane * lane_stride
-    if len(values) < base + lane_stride:
-        raise InvalidSamplingParams("global_remap", f"{len(values)} entries",
-                                    f"at least {base + lane_stride} for lane {lane} with stride {lane_stride}")
-    local = []
-    for i, old in enumerate(values[base:base + lane_stride]):
-        if isinstance(old, bool) or not isinstance(old, int) or not base <= old < base + lane_stride:
-            raise InvalidSamplingParams(f"global_remap[{base + i}]", old,
-                                        f"a slot of lane {lane}, in [{base}, {base + lane_stride})")
-        local.append(old - base)
-    return check_slot_remap(local + list(range(lane_stride, local_width)), local_width)
 
 
 class SamplingGenerator:
@@ -123,9 +70,8 @@ class SamplingGenerator:
         self._params: list[SamplingParams | None] = [None] * n  # authoritative host copy, by slot
         self._stale = [False] * n          # device params / counts / noise of the slot out of date
         self._prompt_stale = [False] * n   # device prompt row belongs to another request (host remap)
-        self._traces: dict[TraceKey, _Trace] = {}
+        self.tracer = StepTracer(self.sampler)
         self._force_argmax: bool | None = None
-        self.trace_captures = 0
         self.last_output: SamplerOutput | None = None
 
     # ------------------------------------------------------------ queries
@@ -178,7 +124,7 @@ class SamplingGenerator:
         slots = self._check_slots("empty_slots", empty_slots)
         if not slots:
             return []
-        batch = _as_batch(sampling_params)
+        batch = as_batch_params(sampling_params)
         if batch.num_lanes() not in (None, len(slots)):
             raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
                                         f"one lane per empty slot ({len(slots)})")
@@ -345,7 +291,7 @@ class SamplingGenerator:
             self.clear_traces()
             self._force_argmax = force_argmax
         if enable_trace:
-            out = self._traced_step(logits, record, force_argmax)
+            out = self.tracer.step(logits, record, force_argmax)
         else:
             out = self.sampler.sample(logits, record=record.to(self.device))
         self.seed_manager.get_new_values(active)  # mirrors the device advance, once per token
@@ -354,56 +300,16 @@ class SamplingGenerator:
 
     def trace_keys(self) -> list[TraceKey]:
         """The keys of the steps captured now."""
-        return list(self._traces)
+        return self.tracer.keys()
 
     def clear_traces(self) -> None:
         """Drop every captured step (the next traced call captures again)."""
-        self._traces.clear()
+        self.tracer.clear()
 
-    def _traced_step(self, logits: torch.Tensor, record: torch.Tensor, force_argmax: bool) -> SamplerOutput:
-        batch = logits.shape[0]
-        rows = self.sampler.state.params[:batch]
-        plan = plan_step(rows, self.vocab_size)
-        key = TraceKey(plan.penalties, plan.wants_logprobs, force_argmax, batch)
-        trace = self._traces.get(key)
-        if trace is not None and trace.logits_id != _tensor_id(logits):
-            raise TraceMismatch("logits", _tensor_id(logits)[:2],
-                                f"the tensor the step {key} was captured with (data_ptr, shape) "
-                                f"{trace.logits_id[:2]}: copy the new logits into it")
-        signature = tuple(rows)
-        if trace is None or trace.signature != signature:
-            trace = self._capture(logits, signature)
-            self._traces[key] = trace
-        trace.replays += 1
-        if trace.graph is None:
-            return self.sampler.sample(logits, record=record.to(self.device))
-        trace.record.copy_(record, non_blocking=True)
-        trace.graph.replay()
-        return trace.output
-
-    def _capture(self, logits: torch.Tensor, signature: tuple) -> _Trace:
-        """A CUDA graph of the step on CUDA (eager when capture fails or off CUDA). Capturing runs
-        nothing; the warm-up step records no token (its record mask is all False)."""
-        self.trace_captures += 1
-        trace = _Trace(_tensor_id(logits), signature)
-        if self.device.type != "cuda":
-            return trace
-        record = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
-        try:
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.sampler.sample(logits, record=record)  # warm-up, changes no state
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                output = self.sampler.sample(logits, record=record)
-        except Exception as error:  # a step that syncs or allocates on the host cannot be captured
-            warnings.warn(f"tokensampler: the sampling step could not be captured ({error!r}); running it "
-                          "eagerly", RuntimeWarning, stacklevel=3)
-            return trace
-        trace.graph, trace.record, trace.output = graph, record, output
-        return trace
+    @property
+    def trace_captures(self) -> int:
+        """How many steps were captured (or, off CUDA, recorded for eager replay) so far."""
+        return self.tracer.captures
 
     # ------------------------------------------------------------ helpers
     def _write_device_params(self, slot: int) -> None:
@@ -431,7 +337,7 @@ class SamplingGenerator:
                                         f"one per sampling group ({self.sampling_dp})")
         given = {}
         for group, chunk in enumerate(chunk_list):
-            batch = _as_batch(chunk)
+            batch = as_batch_params(chunk)
             lanes = batch.num_lanes()
             requests = self._requests(format_sampling_params(batch, self.max_batch_size, vocab_size=self.vocab_size))
             for lane in range(self.max_batch_size if lanes is None else lanes):
@@ -487,6 +393,6 @@ class SamplingGenerator:
 
     def _check_logits(self, logits: torch.Tensor) -> int:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= self.num_lanes:
-            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
-                                        f"a tensor [B, {self.sampler.padded_vocab_size}] with 1 <= B <= {self.num_lanes}")
+            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits), f"a tensor [B, "
+                                        f"{self.sampler.padded_vocab_size}] with 1 <= B <= {self.num_lanes}")
         return logits.shape[0]

@@ -4,7 +4,8 @@ The noise of a token is a pure function of (seed, position, stream), so a reques
 is three integers that move with it: `apply_slot_remap` moves them, `get_new_values` hands out the
 coordinates of the next token and advances the position once. An unseeded request gets a random
 seed drawn and recorded here, so every slot's state can be moved and replayed.
-Also home of `check_slot_remap`, the validation every remap goes through before it is applied.
+Also home of `check_slot_remap`, the validation every remap goes through before it is applied, and
+`rank_local_slot_remap`, the part of a global lane-major remap one lane-parallel replica applies.
 """
 
 from __future__ import annotations
@@ -38,6 +39,33 @@ def check_slot_remap(remap: Sequence[int] | torch.Tensor, num_slots: int) -> lis
         taken = [j for j in set(values) if values.count(j) > 1]
         raise InvalidSlotRemap("slot_remap", values, f"distinct old slots (taken twice: {sorted(taken)})")
     return values
+
+
+def rank_local_slot_remap(global_remap: Sequence[int] | torch.Tensor, lane: int, lane_stride: int,
+                          local_width: int) -> list[int]:
+    """The part of a global lane-major remap that one lane (replica) applies to its local slots.
+
+    Entries [lane * lane_stride, (lane + 1) * lane_stride) of `global_remap`, minus the lane base,
+    then the identity for the local slots past `lane_stride` up to `local_width` (the padded width).
+    Raises `InvalidSamplingParams` when an entry leaves the lane or the sizes do not fit.
+    """
+    values = global_remap.tolist() if isinstance(global_remap, torch.Tensor) else list(global_remap)
+    for name, value, low in (("lane", lane, 0), ("lane_stride", lane_stride, 1), ("local_width", local_width, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise InvalidSamplingParams(name, value, f"an int >= {low}")
+    if lane_stride > local_width:
+        raise InvalidSamplingParams("lane_stride", lane_stride, f"at most local_width={local_width}")
+    base = lane * lane_stride
+    if len(values) < base + lane_stride:
+        raise InvalidSamplingParams("global_remap", f"{len(values)} entries",
+                                    f"at least {base + lane_stride} for lane {lane} with stride {lane_stride}")
+    local = []
+    for i, old in enumerate(values[base:base + lane_stride]):
+        if isinstance(old, bool) or not isinstance(old, int) or not base <= old < base + lane_stride:
+            raise InvalidSamplingParams(f"global_remap[{base + i}]", old,
+                                        f"a slot of lane {lane}, in [{base}, {base + lane_stride})")
+        local.append(old - base)
+    return check_slot_remap(local + list(range(lane_stride, local_width)), local_width)
 
 
 def _check_slots(name: str, slots: Sequence[int], num_slots: int) -> list[int]:
