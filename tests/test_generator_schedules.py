@@ -25,7 +25,7 @@ from tokensampler.sampler import Sampler
 
 V = 64
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([] if os.environ.get("TS_NO_SHRINK") else [Phase.shrink])
-STEPS = {"count": 0}
+STEPS = {"count": 0, "rules": 0, "checked_tokens": 0}
 
 
 @st.composite
@@ -146,6 +146,10 @@ class EngineSchedule(RuleBasedStateMachine):
     @invariant()
     def host_state_follows_requests(self):
         self.engine.check_host_state()
+        STEPS["rules"] += 1
+
+    def teardown(self):
+        STEPS["checked_tokens"] += self.engine.checked_tokens
 
 
 EngineSchedule.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None,
@@ -156,7 +160,8 @@ TestEngineSchedule = EngineSchedule.TestCase
 
 def test_schedules_ran_thousands_of_steps():
     """Runs after the schedules (file order): the sampled steps really add up to thousands."""
-    assert STEPS["count"] >= 1000, STEPS
+    assert STEPS["count"] >= 1000 and STEPS["checked_tokens"] >= 1500, STEPS
+    print(f"schedules: {STEPS}")
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
