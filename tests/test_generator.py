@@ -187,8 +187,9 @@ def test_reset_seed_from_slots_keeps_continuing_requests():
     assert sm.drawn == [False, True, False, True]
     # None on a slot holding an explicit seed is another (unseeded) request: a fresh draw
     assert sm.reset_seed_from_slots([None], [0]) == [1002] and sm.positions[0] == 0
-    # an explicit seed equal to a drawn one is a new request too
-    assert sm.reset_seed_from_slots([None, 1000], [0, 1]) == [1002, 1000] and sm.drawn[1] is False
+    # an engine echoing the drawn seed back as an explicit one continues the request
+    sm.align_seed_counters_to_positions([1], [9])
+    assert sm.reset_seed_from_slots([None, 1000], [0, 1]) == [1002, 1000] and sm.positions[1] == 9
 
 
 def test_seed_manager_remap_and_release():
@@ -412,7 +413,13 @@ def test_unseeded_requests_record_a_seed_that_replays():
         engine.remap([1, 0, 2])
         engine.decode(mode)
     assert [engine.gen.seed_of(0), engine.gen.seed_of(1)] == seeds[::-1]
-    assert engine.checked_tokens == 6
+    # the engine echoes the reported seeds back as explicit ones: the requests continue unchanged
+    for slot in (0, 1):
+        r = engine.slots[slot]
+        engine.slots[slot] = dataclasses.replace(r, params=dataclasses.replace(r.params, seed=r.seed))
+    engine.decode(reload=True, reset=True)
+    engine.decode()
+    assert engine.checked_tokens == 10
 
 
 def test_streams_of_an_n_request_are_independent_choices():

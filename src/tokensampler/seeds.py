@@ -126,7 +126,8 @@ class SeedManager:
 
     def reset_seed_from_slots(self, seeds: Sequence[int | None], slots: Sequence[int]) -> list[int]:
         """Seeds indexed by slot (`seeds[s]` for each s in `slots`): a slot already holding that seed
-        keeps its counter and stream (the same request continues); None keeps a slot's drawn seed.
+        (drawn or not) keeps its counter and stream (the same request continues); None keeps a
+        slot's drawn seed.
         Any other slot starts afresh (new seed, drawn if None, position 0, stream 0).
         Returns the effective seeds of `slots`."""
         slot_list = _check_slots("slots", slots, self.num_slots)
@@ -137,8 +138,8 @@ class SeedManager:
         for slot in slot_list:
             seed = wanted[slot]
             held = self.seeds[slot]
-            same = held is not None and ((seed is None and self.drawn[slot]) or
-                                         (seed is not None and not self.drawn[slot] and seed == held))
+            # an engine may echo the reported (drawn) seed back as an explicit one: the same request
+            same = held is not None and ((seed is None and self.drawn[slot]) or seed == held)
             if not same:
                 self._set(slot, seed, 0)
             out.append(self.seeds[slot])
