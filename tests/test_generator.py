@@ -611,3 +611,38 @@ def test_a_lane_emptied_by_a_host_remap_is_greedy_while_the_rest_is_stale():
         engine.prefill_sample([slot])      # checks that lane 0 returns its greedy id
         engine.finish(slot, release=True)
     engine.decode()
+
+
+# ============================================================== the Sampler additions the generator uses
+
+def test_sampler_record_mask_set_params_set_noise_reset_history():
+    sampler = Sampler(V, max_slots=3)
+    for slot in range(3):
+        sampler.add_request(slot, SP(temperature=0.9, seed=slot, frequency_penalty=1.0), [slot], position=5)
+    logits = torch.randn(3, V, generator=torch.Generator().manual_seed(2))
+    out = sampler.sample(logits, record=torch.tensor([True, False, True]))
+    assert sampler.state.position.tolist() == [6, 5, 6] and sampler.state.output_len.tolist() == [1, 0, 1]
+    assert sampler.state.output_counts.sum(dim=1).tolist() == [1, 0, 1]
+    with pytest.raises(InvalidSamplingParams):
+        sampler.sample(logits, record=torch.tensor([True, False]))
+    # set_params keeps the seed, position and history; the token is a fresh sampler's with them
+    new = SP(temperature=0.5, top_k=4, frequency_penalty=1.0, seed=0)
+    sampler.set_params(0, new)
+    fresh = Sampler(V, max_slots=1)
+    fresh.add_request(0, new, [0], output_token_ids=[int(out.token_ids[0])], position=6)
+    assert int(sampler.sample(logits[:1], [0]).token_ids[0]) == int(fresh.sample(logits[:1]).token_ids[0])
+    before = [t.clone() for t in sampler.state._slot_tensors()]
+    for bad in (dict(positions=[-1]), dict(seeds=[2**64]), dict(streams=[2**32]), dict(seeds=[1, 2])):
+        args = {"seeds": [1], "positions": [0], "streams": [0], **bad}
+        with pytest.raises(InvalidSamplingParams):
+            sampler.set_noise([1], **args)
+    for bad in (torch.tensor([[V]]), torch.tensor([[-2]]), torch.tensor([[0.5]]), torch.tensor([1])):
+        with pytest.raises(InvalidSamplingParams):
+            sampler.reset_history([1], bad, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, sampler.state._slot_tensors()))
+    sampler.set_noise([1, 2], seeds=[2**64 - 1, 7], positions=[40, 41], streams=[3, 0])
+    sampler.reset_history([1, 2], torch.tensor([[4, -1, 4], [-1, -1, -1]]), torch.tensor([[9, 9, -1], [-1, 8, -1]]))
+    st = sampler.state
+    assert st.seed[1] == -1 and st.position[1:].tolist() == [40, 41] and st.stream[1:].tolist() == [3, 0]
+    assert st.prompt_mask[1].nonzero().flatten().tolist() == [4] and not st.prompt_mask[2].any()
+    assert st.output_counts[1, 9] == 2 and st.output_counts[2, 8] == 1 and st.output_len[1:].tolist() == [2, 1]
