@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from fixtures_hf import TINY_GENERATION_CONFIG, build_tiny_checkpoint  # noqa: E402
 from tokensampler import cli  # noqa: E402
 from tokensampler.generate import generate, load_causal_lm  # noqa: E402
-from tokensampler.generation_config import InvalidRequest, load_generation_defaults  # noqa: E402
+from tokensampler.generation_config import GenerationDefaults, InvalidRequest, load_generation_defaults  # noqa: E402
 from tokensampler.reference import ReferenceRequest, reference_sample  # noqa: E402
 from tokensampler.sampler import plan_step  # noqa: E402
 
@@ -189,6 +189,17 @@ def test_eos_stops_only_after_min_tokens(lm, defaults):
     assert c.finish_reason == "stop" and len(c.token_ids) == 4 and c.token_ids[-1] == eos
     assert eos not in c.token_ids[:3]
     assert tokenizer.eos_token not in c.text
+
+
+def test_stops_at_the_tokenizer_eos_and_the_generation_config_eos_ids(lm):
+    model, tokenizer = lm
+    eos = tokenizer.eos_token_id
+    other = tokenizer.convert_tokens_to_ids("fox")
+    (c,) = generate(model, tokenizer, PROMPTS[:1], {"seed": 2, "logit_bias": {str(eos): 100}}, GenerationDefaults())
+    assert (c.finish_reason, c.token_ids) == ("stop", [eos])  # no EOS in the config: the tokenizer's
+    (c,) = generate(model, tokenizer, PROMPTS[:1], {"seed": 2, "logit_bias": {str(other): 100}},
+                    GenerationDefaults(eos_token_ids=(other,)))
+    assert (c.finish_reason, c.token_ids) == ("stop", [other])  # an extra EOS id from generation_config.json
 
 
 def test_stop_token_ids_and_length(lm, defaults):
