@@ -26,6 +26,15 @@ from tokensampler.sampler import plan_step  # noqa: E402
 PROMPTS = ["the quick brown fox", "a small model samples the next token from", "greedy"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The tiny model is far faster on one thread (2-core CI runners are oversubscribed); restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory):
     return build_tiny_checkpoint(tmp_path_factory.mktemp("tiny_llama"))
