@@ -20,6 +20,7 @@ from fixtures_hf import TINY_GENERATION_CONFIG, build_tiny_checkpoint  # noqa: E
 from tokensampler import cli  # noqa: E402
 from tokensampler.generate import generate, load_causal_lm  # noqa: E402
 from tokensampler.generation_config import GenerationDefaults, InvalidRequest, load_generation_defaults  # noqa: E402
+from tokensampler.params import InvalidSamplingParams  # noqa: E402
 from tokensampler.reference import ReferenceRequest, reference_sample  # noqa: E402
 from tokensampler.sampler import plan_step  # noqa: E402
 
@@ -270,6 +271,16 @@ def test_generate_rejects_bad_requests_before_running(lm, defaults):
     with pytest.raises(InvalidRequest) as err:  # prompt longer than the context
         generate(model, tokenizer, PROMPTS[:1], {}, defaults, max_model_len=3)
     assert err.value.field == "prompt"
+
+
+def test_a_model_without_context_length_needs_max_tokens(lm, monkeypatch):
+    model, tokenizer = lm
+    monkeypatch.setattr("tokensampler.generate.max_model_len_of", lambda model: None)
+    with pytest.raises(InvalidSamplingParams) as err:
+        generate(model, tokenizer, PROMPTS[:1], {"seed": 1})
+    assert err.value.field == "requests[0].max_tokens"
+    (c,) = generate(model, tokenizer, PROMPTS[:1], {"seed": 1, "max_tokens": 2})
+    assert len(c.token_ids) <= 2
 
 
 def test_fixture_generation_config_is_what_the_tests_assume(checkpoint, defaults):

@@ -151,6 +151,10 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
             raise InvalidSamplingParams(f"prompts[{i}]", prompts[i], "a prompt of at least one token")
     resolved = [resolve_request(body, defaults, max_model_len=limit if limit else None,
                                 prompt_len=len(ids) if limit else None) for body, ids in zip(bodies, prompt_ids)]
+    for i, params in enumerate(resolved):
+        if params.max_tokens is None:
+            raise InvalidSamplingParams(f"requests[{i}].max_tokens", None,
+                                        "an int >= 1: the model declares no context length to bound it")
     # One seed per request, shared by its n choices; choice c uses noise stream c.
     resolved = [p if p.seed is not None else dataclasses.replace(p, seed=secrets.randbits(63)) for p in resolved]
     rows = [(i, c) for i, p in enumerate(resolved) for c in range(p.n)]
@@ -282,7 +286,7 @@ def run_generate_command(args: argparse.Namespace) -> int:
         model, tokenizer = load_causal_lm(args.model, device=device, dtype=DTYPES[args.dtype])
         completions = generate(model, tokenizer, args.prompts, request_from_args(args), defaults,
                                max_model_len=args.max_model_len)
-    except (InvalidSamplingParams, ImportError) as exc:
+    except (InvalidSamplingParams, ImportError, OSError) as exc:
         print(f"tokensampler generate: error: {exc}", file=sys.stderr)
         return 2
     for completion in completions:
