@@ -129,11 +129,11 @@ def test_greedy_equals_transformers_generate(lm, defaults):
     with torch.no_grad():
         theirs = model.generate(**batch, do_sample=False, max_new_tokens=new, eos_token_id=tokenizer.eos_token_id,
                                 pad_token_id=tokenizer.pad_token_id)[:, batch["input_ids"].shape[1]:].tolist()
-    for c, row in zip(ours, theirs):
+    for c, row in zip(ours, theirs, strict=True):
         expected = row[:row.index(tokenizer.eos_token_id) + 1] if tokenizer.eos_token_id in row else row
         assert c.token_ids == expected
     assert any(len(set(c.token_ids)) > 1 for c in ours)  # not a degenerate constant sequence
-    for prompt, c in zip(PROMPTS, ours):  # and each prompt alone, unpadded
+    for prompt, c in zip(PROMPTS, ours, strict=True):  # and each prompt alone, unpadded
         single = tokenizer(prompt, return_tensors="pt")
         with torch.no_grad():
             alone = model.generate(**single, do_sample=False, max_new_tokens=new,
@@ -228,7 +228,7 @@ def test_logprobs_are_the_raw_log_softmax_of_the_model_logits(lm, defaults):
     (c,) = generate(model, tokenizer, PROMPTS[:1], {"seed": 4, "logprobs": 3, "max_tokens": 5}, defaults,
                     observer=recorder)
     assert len(c.logprobs) == len(c.token_ids)
-    for entry, logits, token in zip(c.logprobs, recorder.logits_of(0), c.token_ids):
+    for entry, logits, token in zip(c.logprobs, recorder.logits_of(0), c.token_ids, strict=True):
         reference = torch.log_softmax(logits, dim=-1)
         assert entry.token_id == token
         assert entry.logprob == pytest.approx(float(reference[token]), abs=1e-5)

@@ -100,7 +100,7 @@ def _token_logprob(out: SamplerOutput, b: int, asked: int) -> TokenLogprob:
     top_ids = lp.top_token_ids[b, :count].tolist()
     top_values = lp.top_logprobs[b, :count].tolist()
     return TokenLogprob(int(out.token_ids[b]), float(lp.token_logprobs[b]), int(lp.token_ranks[b]),
-                        [(i, v) for i, v in zip(top_ids, top_values) if i >= 0])
+                        [(i, v) for i, v in zip(top_ids, top_values, strict=True) if i >= 0])
 
 
 class _Forward:
@@ -149,8 +149,8 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise InvalidSamplingParams(f"prompts[{i}]", prompts[i], "a prompt of at least one token")
-    resolved = [resolve_request(body, defaults, max_model_len=limit if limit else None,
-                                prompt_len=len(ids) if limit else None) for body, ids in zip(bodies, prompt_ids)]
+    resolved = [resolve_request(body, defaults, max_model_len=limit or None, prompt_len=len(ids) if limit else None)
+                for body, ids in zip(bodies, prompt_ids, strict=True)]
     for i, params in enumerate(resolved):
         if params.max_tokens is None:
             raise InvalidSamplingParams(f"requests[{i}].max_tokens", None,
@@ -227,7 +227,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
     for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
                        ("repetition-penalty", float), ("presence-penalty", float), ("frequency-penalty", float),
                        ("seed", int), ("max-tokens", int), ("min-tokens", int), ("n", int)):
-        parser.add_argument(f"--{name}", type=kind, default=None, help="request field (default: checkpoint, else neutral)")
+        parser.add_argument(f"--{name}", type=kind, default=None,
+                            help="request field (default: the checkpoint's, else neutral)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="print each token's logprob, rank and the top N alternatives")
     parser.add_argument("--stop-token-id", dest="stop_token_ids", type=int, action="append", default=None,
