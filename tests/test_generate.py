@@ -141,6 +141,21 @@ def test_greedy_equals_transformers_generate(lm, defaults):
         assert alone[0, single["input_ids"].shape[1]:].tolist()[:len(c.token_ids)] == c.token_ids
 
 
+def test_greedy_with_checkpoint_repetition_penalty_equals_transformers(lm, checkpoint):
+    """The penalty reaches the sampler from the file and uses the same history (prompt + output)."""
+    model, tokenizer = lm
+    defaults = load_generation_defaults(checkpoint, override={"repetition_penalty": 1.8})
+    (c,) = generate(model, tokenizer, PROMPTS[1:2], {"temperature": 0, "max_tokens": 12}, defaults)
+    assert c.params.repetition_penalty == 1.8
+    single = tokenizer(PROMPTS[1], return_tensors="pt")
+    with torch.no_grad():
+        theirs = model.generate(**single, do_sample=False, max_new_tokens=12, repetition_penalty=1.8,
+                                eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    assert theirs[0, single["input_ids"].shape[1]:].tolist()[:len(c.token_ids)] == c.token_ids
+    (plain,) = generate(model, tokenizer, PROMPTS[1:2], {"temperature": 0, "max_tokens": 12}, None)
+    assert plain.token_ids != c.token_ids  # the penalty changed the output, so the comparison means something
+
+
 # ---------------------------------------------------------------- reproducibility
 def test_seeded_output_reproducible_across_batch_compositions(lm, defaults):
     """Same prompt + seed: same tokens alone, first or last in a batch, and padded or not.
