@@ -126,6 +126,30 @@ class _Forward:
         return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def _resolve_requests(tokenizer: Any, prompts: Sequence[str],
+                      requests: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
+                      defaults: GenerationDefaults, limit: int | None) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Tokenize the prompts and resolve one SamplingParams per prompt, seeds drawn; all checks first."""
+    if not prompts:
+        raise InvalidSamplingParams("prompts", list(prompts), "at least one prompt")
+    bodies = [requests or {}] * len(prompts) if requests is None or isinstance(requests, Mapping) else list(requests)
+    if len(bodies) != len(prompts):
+        raise InvalidSamplingParams("requests", f"{len(bodies)} bodies", f"one, or one per prompt ({len(prompts)})")
+    prompt_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise InvalidSamplingParams(f"prompts[{i}]", prompts[i], "a prompt of at least one token")
+    resolved = [resolve_request(body, defaults, max_model_len=limit or None, prompt_len=len(ids) if limit else None)
+                for body, ids in zip(bodies, prompt_ids, strict=True)]
+    for i, params in enumerate(resolved):
+        if params.max_tokens is None:
+            raise InvalidSamplingParams(f"requests[{i}].max_tokens", None,
+                                        "an int >= 1: the model declares no context length to bound it")
+    # One seed per request, shared by its n choices; choice c uses noise stream c.
+    return prompt_ids, [p if p.seed is not None else dataclasses.replace(p, seed=secrets.randbits(63))
+                        for p in resolved]
+
+
 @torch.no_grad()
 def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
              requests: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
@@ -138,25 +162,9 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
     max_model_len: caps max_tokens at max_model_len - prompt_len (default: the model's).
     observer: called after every step with (sampler, slots sampled, their logits, output).
     """
-    if not prompts:
-        raise InvalidSamplingParams("prompts", list(prompts), "at least one prompt")
-    bodies = [requests or {}] * len(prompts) if requests is None or isinstance(requests, Mapping) else list(requests)
-    if len(bodies) != len(prompts):
-        raise InvalidSamplingParams("requests", f"{len(bodies)} bodies", f"one, or one per prompt ({len(prompts)})")
     defaults = defaults if defaults is not None else GenerationDefaults(mode="vllm")
     limit = max_model_len if max_model_len is not None else max_model_len_of(model)
-    prompt_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
-    for i, ids in enumerate(prompt_ids):
-        if not ids:
-            raise InvalidSamplingParams(f"prompts[{i}]", prompts[i], "a prompt of at least one token")
-    resolved = [resolve_request(body, defaults, max_model_len=limit or None, prompt_len=len(ids) if limit else None)
-                for body, ids in zip(bodies, prompt_ids, strict=True)]
-    for i, params in enumerate(resolved):
-        if params.max_tokens is None:
-            raise InvalidSamplingParams(f"requests[{i}].max_tokens", None,
-                                        "an int >= 1: the model declares no context length to bound it")
-    # One seed per request, shared by its n choices; choice c uses noise stream c.
-    resolved = [p if p.seed is not None else dataclasses.replace(p, seed=secrets.randbits(63)) for p in resolved]
+    prompt_ids, resolved = _resolve_requests(tokenizer, prompts, requests, defaults, limit)
     rows = [(i, c) for i, p in enumerate(resolved) for c in range(p.n)]
 
     device = next(model.parameters()).device
