@@ -338,7 +338,9 @@ def test_standard_openai_fields_are_accepted():
 
 
 @pytest.mark.parametrize("field_name, value", [("use_beam_search", True), ("ignore_eos", True), ("best_of", 3),
-                                               ("prompt_logprobs", 1), ("bad_words", ["x"])])
+                                               ("prompt_logprobs", 1), ("bad_words", ["x"]),
+                                               ("response_format", {"type": "json_object"}),
+                                               ("tool_choice", "required")])
 def test_output_changing_fields_we_do_not_implement_are_rejected(field_name, value):
     with pytest.raises(InvalidRequest) as err:
         resolve_request({"prompt": "x", field_name: value})

@@ -212,8 +212,8 @@ SAMPLING_FIELDS = frozenset({
 PASS_THROUGH_FIELDS = frozenset({
     "model", "prompt", "messages", "stream", "stream_options", "stop", "user", "echo", "suffix",
     "metadata", "store", "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
-    "tools", "tool_choice", "parallel_tool_calls", "functions", "function_call", "web_search_options",
-    "response_format", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+    "tools", "parallel_tool_calls", "functions", "function_call", "web_search_options", "verbosity",
+    "prompt_cache_key", "safety_identifier", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     "add_generation_prompt", "continue_final_message", "add_special_tokens", "chat_template",
     "chat_template_kwargs", "documents", "request_id", "priority", "truncate_prompt_tokens",
     "return_tokens_as_token_ids", "return_token_ids", "cache_salt", "include_reasoning",
@@ -233,6 +233,8 @@ NEUTRAL_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
     "guided_choice": (None,),
     "guided_grammar": (None,),
     "length_penalty": (1, 1.0, None),
+    "response_format": (None, {"type": "text"}),  # json_object / json_schema need structured outputs
+    "tool_choice": (None, "none", "auto"),  # "required" or a named tool constrain the output
 }
 
 ACCEPTED_FIELDS = SAMPLING_FIELDS | PASS_THROUGH_FIELDS | frozenset(NEUTRAL_ONLY_FIELDS) | {"best_of"}
