@@ -291,11 +291,13 @@ def run_generate_command(args: argparse.Namespace) -> int:
     """Run `tokensampler generate`; 0 on success, 2 on a bad argument or request."""
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+            raise InvalidSamplingParams("--device", device, "cpu, auto, or cuda on a machine with a CUDA device")
         defaults = load_generation_defaults(args.model, args.generation_config, args.override_generation_config)
         model, tokenizer = load_causal_lm(args.model, device=device, dtype=DTYPES[args.dtype])
         completions = generate(model, tokenizer, args.prompts, request_from_args(args), defaults,
                                max_model_len=args.max_model_len)
-    except (InvalidSamplingParams, ImportError, OSError) as exc:
+    except (InvalidSamplingParams, ImportError, OSError, RuntimeError) as exc:
         print(f"tokensampler generate: error: {exc}", file=sys.stderr)
         return 2
     for completion in completions:
