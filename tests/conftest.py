@@ -1,4 +1,4 @@
-"""Shared test settings: no network, deterministic torch, small thread count."""
+"""Shared test settings: no network access; reproducible hypothesis examples under CI."""
 
 import os
 
