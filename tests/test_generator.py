@@ -646,3 +646,23 @@ def test_sampler_record_mask_set_params_set_noise_reset_history():
     assert st.seed[1] == -1 and st.position[1:].tolist() == [40, 41] and st.stream[1:].tolist() == [3, 0]
     assert st.prompt_mask[1].nonzero().flatten().tolist() == [4] and not st.prompt_mask[2].any()
     assert st.output_counts[1, 9] == 2 and st.output_counts[2, 8] == 1 and st.output_len[1:].tolist() == [2, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the CPU runs the same bookkeeping above)")
+def test_cuda_traced_steps_equal_eager_steps():
+    """On CUDA: traced steps (captured, or eager where capture is impossible) give the eager tokens."""
+    params = BatchSamplingParams.from_requests([SP(temperature=0.8, seed=1, top_k=5), SP(temperature=0.0),
+                                                SP(temperature=1.1, seed=3, presence_penalty=0.5)])
+    gens = [SamplingGenerator(V, max_batch_size=4, device="cuda") for _ in range(2)]
+    for gen in gens:
+        gen.apply_prefill_state(sampling_params=params, prompt_tokens=[[1, 2], [3, -1], [4, 5]], empty_slots=[0, 1, 2])
+    buffer = torch.empty(4, V, device="cuda")
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(6):
+        logits = torch.randn(4, V, generator=rng).cuda()
+        buffer.copy_(logits)
+        traced = gens[0].sample(buffer, enable_trace=True)[0].clone()
+        eager = gens[1].sample(logits)[0]
+        assert torch.equal(traced, eager)
+    gens[0].verify_device_state()
+    assert gens[0].trace_captures == 1
