@@ -100,7 +100,7 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
     final_at_token = torch.where(valid, z_max_sat.to(torch.float64), torch.full_like(z_max, NEG_INF))
     final, final_lse = z, None
     if plan.wants_logprobs and split.sampler.logprobs_mode == "processed_logprobs":
-        final_lse = sel.merge_logsumexp(g1[..., 6:9])
+        final_lse = torch.stack(sel.merge_logsumexp(g1[..., 6:9]))
 
     if plan.sampled_rows:
         rows = torch.tensor(plan.sampled_rows, dtype=torch.int64, device=split.device)
@@ -142,13 +142,13 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
             final = z.clone()
             final[rows] = zs
         if final_lse is not None:
-            final_lse[rows] = sel.merge_logsumexp(g2[..., 4:7])
+            final_lse[:, rows] = torch.stack(sel.merge_logsumexp(g2[..., 4:7]))
 
     out = SamplerOutput(tokens, valid, None)
     if plan.wants_logprobs:
         if split.sampler.logprobs_mode.startswith("raw"):
             keys, token_key = sel.saturate_with(raw, raw_posinf), _saturated_value(raw_at_token, raw_posinf)
-            lse = sel.merge_logsumexp(g1[..., 3:6]) if split.sampler.logprobs_mode == "raw_logprobs" else None
+            lse = torch.stack(sel.merge_logsumexp(g1[..., 3:6])) if split.sampler.logprobs_mode == "raw_logprobs" else None
         else:
             keys, token_key, lse = final, final_at_token, final_lse
         out.logprobs = _logprobs(split, keys, token_key, lse, plan)
@@ -160,7 +160,8 @@ def _logprobs(split: "VocabSplit", keys: torch.Tensor, token_key: torch.Tensor, 
     """The token's value and rank, and the top-N, from one all-gather of [B, 1 + 2 c] per rank.
 
     keys: this rank's scores [B, width] (padding at -inf, never counted); token_key: float64 [B],
-    the sampled token's score; lse: float64 [B] in the *_logprobs modes, None in the *_logits modes.
+    the sampled token's score; lse: float64 [2, B], `merge_logsumexp`'s (shift, log_total), in the
+    *_logprobs modes, None in the *_logits modes.
     """
     device = keys.device
     width = max(plan.logprobs_width, 0)
@@ -176,10 +177,7 @@ def _logprobs(split: "VocabSplit", keys: torch.Tensor, token_key: torch.Tensor, 
                                               take)
 
     def value(key: torch.Tensor) -> torch.Tensor:
-        if lse is None:
-            return key.to(torch.float32)
-        shifted = (key.to(torch.float64) - lse.reshape(-1, *([1] * (key.dim() - 1)))).to(torch.float32)
-        return torch.where(torch.isneginf(key), torch.full_like(shifted, NEG_INF), shifted)
+        return key.to(torch.float32) if lse is None else sel.log_softmax_from(key, lse[0], lse[1])
 
     batch = keys.shape[0]
     top_ids = torch.full((batch, width), -1, dtype=torch.int64, device=device)

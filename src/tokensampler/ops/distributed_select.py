@@ -75,16 +75,24 @@ def local_sumexp(z: torch.Tensor) -> torch.Tensor:
     return torch.stack([m, s, posinf], dim=-1)
 
 
-def merge_logsumexp(stats: torch.Tensor) -> torch.Tensor:
-    """stats [W, B, 3] from `local_sumexp` of the unsaturated row -> log-sum-exp [B] (float64) of
-    the row after the +inf rule: log(#+inf) if any id is +inf, -inf if every id is removed."""
+def merge_logsumexp(stats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """stats [W, B, 3] from `local_sumexp` of the unsaturated row -> (shift, log_total) float64 [B]
+    such that log_softmax(x) = (x - shift) - log_total for the row after the +inf rule (shift 0 and
+    log_total = log(#+inf) if any id is +inf). Kept apart so a huge shift does not absorb log_total."""
     m, s, posinf = stats[..., 0], stats[..., 1], stats[..., 2]
     big = m.amax(dim=0)
-    finite_big = torch.where(torch.isinf(big), torch.zeros_like(big), big)
-    total = (s * torch.exp(m - finite_big[None, :]).nan_to_num(0.0)).sum(dim=0)
-    lse = finite_big + torch.log(total)
-    lse = torch.where(big == float("inf"), torch.log(posinf.sum(dim=0)), lse)
-    return torch.where(big == NEG_INF, torch.full_like(lse, NEG_INF), lse)
+    shift = torch.where(torch.isinf(big), torch.zeros_like(big), big)
+    total = (s * torch.exp(m - shift[None, :]).nan_to_num(0.0)).sum(dim=0)
+    total = torch.where(big == float("inf"), posinf.sum(dim=0), total)
+    return shift, torch.log(total)
+
+
+def log_softmax_from(key: torch.Tensor, shift: torch.Tensor, log_total: torch.Tensor) -> torch.Tensor:
+    """float32 log-probs of scores `key` ([B] or [B, N], any float dtype) with `merge_logsumexp`'s
+    (shift, log_total) [B]; -inf scores stay -inf."""
+    shape = (-1,) + (1,) * (key.dim() - 1)
+    value = ((key.to(torch.float64) - shift.reshape(shape)) - log_total.reshape(shape)).to(torch.float32)
+    return torch.where(torch.isneginf(key), torch.full_like(value, NEG_INF), value)
 
 
 def saturate_with(z: torch.Tensor, has_posinf: torch.Tensor) -> torch.Tensor:
