@@ -255,3 +255,141 @@ def check_case(case: Case, group: Any, label: str, with_reference: bool = False)
         if not torch.equal(split_out[0].token_ids.cpu(), ref):
             bad.append(f"{label}: step 0 tokens {split_out[0].token_ids.tolist()} != reference {ref.tolist()}")
     return bad
+
+
+# ------------------------------------------------------------------ error behaviour
+def _expect(label: str, fn: Callable[[], Any], error: type, field_name: str | None) -> list[str]:
+    try:
+        fn()
+    except error as exc:
+        if field_name is not None and getattr(exc, "field", None) != field_name:
+            return [f"{label}: raised {type(exc).__name__} on field {exc.field!r}, expected {field_name!r}"]
+        return []
+    except Exception as exc:  # noqa: BLE001 - reported as a failure
+        return [f"{label}: raised {type(exc).__name__}: {exc}, expected {error.__name__}"]
+    return [f"{label}: no error, expected {error.__name__}"]
+
+
+def error_checks(group: Any) -> list[str]:
+    """Every rank must raise (the same kind of error) and keep its state; then a good step works."""
+    from tokensampler.distributed import SplitMismatch
+    from tokensampler.params import InvalidSamplingParams
+
+    ex = group if isinstance(group, Exchange) else None
+    world = ex.world_size if ex else torch.distributed.get_world_size(group)
+    rank = ex.rank if ex else torch.distributed.get_rank(group)
+    last = rank == world - 1
+    vocab, padded = 61, 64 * world
+    width = padded // world
+    bad: list[str] = []
+    if world > 1:
+        bad += _expect("padded not a multiple of world",
+                       lambda: Sampler(vocab, max_slots=2, padded_vocab_size=padded + 1, group=group),
+                       InvalidSamplingParams, "padded_vocab_size")
+    sampler = Sampler(vocab, max_slots=4, padded_vocab_size=padded, group=group, logprobs_mode="raw_logprobs")
+    unsplit = Sampler(vocab, max_slots=4, padded_vocab_size=padded)
+    good = [SamplingParams(seed=5, top_p=0.8, logprobs=2), SamplingParams(seed=6, top_k=3, presence_penalty=1.0)]
+    for slot, params in enumerate(good):
+        sampler.add_request(slot, params, [1, 2])
+        unsplit.add_request(slot, params, [1, 2])
+    # a request the ranks disagree on: rejected everywhere, the slot stays empty
+    differing = SamplingParams(seed=7, top_k=5 if rank == 0 else 6)
+    bad += _expect("admission params differ", lambda: sampler.add_request(2, differing, [1]), SplitMismatch, "params")
+    bad += _expect("slot left empty", lambda: sampler.params_of(2), InvalidSamplingParams, "slot")
+    # one rank rejects its own request: it raises its own error, the others name it
+    local_bad = SamplingParams(seed=8, logit_bias={vocab + 3 if last else 3: 1.0})
+    bad += _expect("one rank's request invalid", lambda: sampler.add_request(2, local_bad, [1]),
+                   InvalidSamplingParams, "logit_bias" if last else "group")
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(2, padded, generator=gen)
+    mine = logits[:, rank * width:(rank + 1) * width]
+    wide = torch.randn(2, width + 1) if last else mine
+    bad += _expect("slice widths differ", lambda: sampler.sample(wide), SplitMismatch, "logits.shape[1]")
+    fewer = mine[:1] if rank == 0 and world > 1 else mine
+    if world > 1:
+        bad += _expect("batch differs", lambda: sampler.sample(fewer, [0] if rank == 0 else [0, 1]),
+                       SplitMismatch, "batch")
+        bad += _expect("slot order differs", lambda: sampler.sample(mine, [1, 0] if last else [0, 1]),
+                       SplitMismatch, "params")
+        bad += _expect("one rank's dtype invalid", lambda: sampler.sample(mine.to(torch.int32) if last else mine),
+                       InvalidSamplingParams, "logits.dtype" if last else "group")
+    # nothing above changed any state: the next step equals a fresh unsplit sampler's first step
+    for step in range(2):
+        got = sampler.sample(mine)
+        bad += compare(f"after errors step {step}", got, unsplit.sample(logits))
+        logits = torch.randn(2, padded, generator=gen)
+        mine = logits[:, rank * width:(rank + 1) * width]
+    return bad
+
+
+# ------------------------------------------------------------------ data-parallel sampling groups
+def dp_checks(tp: int, dp: int, vocab: int = 203, padded: int = 208) -> list[str]:
+    """World = tp * dp gloo ranks: each sampling group samples its own rows (round-robin slots)."""
+    from tokensampler.distributed import sampling_dp
+
+    layout = sampling_dp(tp, dp)
+    rank = torch.distributed.get_rank()
+    group_index = layout.group_of_rank(rank)
+    groups = layout.new_groups()
+    member_rank = layout.ranks_of(group_index).index(rank)
+    width = padded // tp
+    r = random.Random(5)
+    all_params = [random_params(r, vocab, KINDS[i % len(KINDS)]) for i in range(2 * dp + 1)]
+    all_params = [dataclasses.replace(p, seed=1000 + i) for i, p in enumerate(all_params)]
+    logits = random_logits(r, torch.Generator().manual_seed(5), len(all_params), vocab, padded)
+    unsplit = Sampler(vocab, max_slots=len(all_params), padded_vocab_size=padded, eos_token_ids=EOS)
+    sampler = Sampler(vocab, max_slots=len(all_params), padded_vocab_size=padded, eos_token_ids=EOS,
+                      group=groups[group_index])
+    rows, local_slots = [], []
+    for s, params in enumerate(all_params):
+        unsplit.add_request(s, params, [3])
+        g, local = layout.locate(s)
+        if layout.global_slot(g, local) != s:
+            return [f"dp: global_slot(locate({s})) != {s}"]
+        if g == group_index:
+            sampler.add_request(local, params, [3])
+            rows.append(s)
+            local_slots.append(local)
+    want = unsplit.sample(logits)
+    got = sampler.sample(logits[rows][:, member_rank * width:(member_rank + 1) * width], local_slots)
+    bad = []
+    if got.token_ids.tolist() != want.token_ids[rows].tolist():
+        bad.append(f"dp group {group_index}: {got.token_ids.tolist()} != {want.token_ids[rows].tolist()}")
+    return bad
+
+
+# ------------------------------------------------------------------ a spawned gloo rank
+def gloo_worker(rank: int, world: int, init_file: str, out_dir: str, jobs: list[tuple]) -> None:
+    """One rank of a spawned gloo world. Sub-groups of ranks [0, n) for every n <= world are real
+    process groups of size n; each job ("case" | "errors" | "dp", n, ...) runs on the ranks of its
+    group, in list order. Writes {failures, checks, crash} as JSON, then leaves at once."""
+    import datetime
+    import json
+    import os
+    import traceback
+
+    torch.set_num_threads(1)
+    dist = torch.distributed
+    report: dict[str, Any] = {"failures": [], "checks": 0, "crash": None}
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=120))
+        groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
+        for job in jobs:
+            kind, size = job[0], job[1]
+            if rank >= size:
+                continue
+            if kind == "case":
+                _, _, seed, vocab, padded, mode = job
+                label = f"gloo world {size} V{vocab}/{padded} {mode} seed {seed}"
+                report["failures"] += check_case(make_case(seed, vocab, padded, mode), groups[size], label)
+            elif kind == "errors":
+                report["failures"] += error_checks(groups[size])
+            elif kind == "dp":
+                report["failures"] += dp_checks(*job[2:])
+            report["checks"] += 1
+    except Exception:  # noqa: BLE001 - reported to the parent
+        report["crash"] = traceback.format_exc()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as handle:
+        json.dump(report, handle)
+    os._exit(0)  # skip interpreter teardown (tens of seconds on a busy 2-core machine)
