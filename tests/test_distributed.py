@@ -135,6 +135,29 @@ def test_top_p_threshold_is_exact_on_adjacent_floats_and_ties():
     assert not failures, "\n".join(failures[:10])
 
 
+def test_top_p_mass_exactly_at_the_bound_is_removed():
+    """p = [1, 0.5, 0.5] (exact in float32): with top_p 0.5 the mass above the 0.5s is 1.0, equal to
+    0.5 * total, which is not < the bound, so only the top id stays (ids spread over both ranks)."""
+    half = float(torch.tensor(0.5).log())  # float32 log(0.5): exp of it is exactly 0.5
+    assert torch.exp(torch.tensor(half)).item() == 0.5
+    row = torch.full((1, 8), float("-inf"))
+    row[0, 1], row[0, 4], row[0, 6] = half, 0.0, half
+
+    def run(ex):
+        split = Sampler(8, max_slots=1, group=ex, logprobs_mode="processed_logprobs")
+        split.add_request(0, SamplingParams(seed=3, top_p=0.5, logprobs=3), [])
+        return split.sample(row[:, 4 * ex.rank:4 * ex.rank + 4])
+
+    whole = Sampler(8, max_slots=1, logprobs_mode="processed_logprobs")
+    whole.add_request(0, SamplingParams(seed=3, top_p=0.5, logprobs=3), [])
+    want = whole.sample(row)
+    for got in dc.run_threads(2, run):
+        assert not dc.compare("boundary", got, want)
+        assert got.token_ids.tolist() == [4]
+        assert got.logprobs.top_token_ids.tolist() == [[4, 1, 6]]
+        assert got.logprobs.top_logprobs[0, 0] == 0.0 and torch.isneginf(got.logprobs.top_logprobs[0, 1:]).all()
+
+
 def test_bytes_and_collectives_per_step_do_not_grow_with_the_vocabulary():
     params = [SamplingParams(seed=1, top_k=5, top_p=0.9, min_p=0.01, logprobs=3, repetition_penalty=1.2),
               SamplingParams(seed=2, temperature=0.0, logprobs=0), SamplingParams(seed=3, top_p=0.5)]
