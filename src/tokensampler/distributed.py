@@ -6,7 +6,7 @@ several ranks) are removed. Every rank returns the same `SamplerOutput`, equal t
 `Sampler` on the concatenated logits. A step moves a few numbers per row, never the slice:
 
     check       all-gather int64 [4]: error flag, batch, slice width, hash of slots and params
-    summaries   all-gather [B, 9]: raw and processed row max / first id / sum-exp / #+inf
+    summaries   all-gather [B, 5 (+3)]: raw and processed row max and first id (+ sum-exp, #+inf)
     top-k       all-gather [B, min(k_max, Vp/W)]: each rank's top-k candidates (rows with top-k)
     top-p       `bisection_rounds(P)` all-gathers [B, P (+1)]: float64 mass above P pivots
     winner      all-gather [B, 6]: (z + g, global id, ...) of each rank's Gumbel winner

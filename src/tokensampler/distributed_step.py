@@ -81,15 +81,19 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
     st, ex, offset = split.state, split.exchange, split.offset
     raw, z = _processed_z(split, logits, index, plan)
 
-    # summaries of the raw and processed rows: max, its first id, sum-exp, #+inf
+    # summaries of the raw and processed rows: max and its first id (+ sum-exp, #+inf for log-probs)
+    mode = split.sampler.logprobs_mode if plan.wants_logprobs else None
     z_max_local, z_id_local = sel.local_max_and_id(z, offset)
-    raw_id_local = sel.local_max_and_id(raw, offset)[1]
+    raw_max_local, raw_id_local = sel.local_max_and_id(raw, offset)
     raw_at_z = raw.gather(-1, (z_id_local - offset)[:, None]).squeeze(-1)
-    summaries = torch.cat([_f64(raw_id_local, z_id_local, raw_at_z),
-                           sel.local_sumexp(raw), sel.local_sumexp(z)], dim=-1)
-    g1 = ex.all_gather(summaries)
+    columns = [_f64(raw_id_local, z_id_local, raw_at_z, raw_max_local, z_max_local)]
+    if mode == "raw_logprobs":
+        columns.append(sel.local_sumexp(raw))
+    elif mode == "processed_logprobs":
+        columns.append(sel.local_sumexp(z))
+    g1 = ex.all_gather(torch.cat(columns, dim=-1))
     raw_max, raw_token = sel.merge_max_lowest_id(g1[..., 3], g1[..., 0].to(torch.int64))
-    z_max, greedy_token = sel.merge_max_lowest_id(g1[..., 6], g1[..., 1].to(torch.int64))
+    z_max, greedy_token = sel.merge_max_lowest_id(g1[..., 4], g1[..., 1].to(torch.int64))
     raw_posinf, z_posinf = raw_max == float("inf"), z_max == float("inf")
     valid = z_max > NEG_INF
     tokens = torch.where(valid, greedy_token, raw_token)
@@ -98,9 +102,9 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
     greedy_owner = sel.owner_of(g1[..., 1].to(torch.int64), greedy_token)
     raw_at_token = torch.where(valid, sel.pick_rank(g1[..., 2], greedy_owner), raw_max)
     final_at_token = torch.where(valid, z_max_sat.to(torch.float64), torch.full_like(z_max, NEG_INF))
-    final, final_lse = z, None
-    if plan.wants_logprobs and split.sampler.logprobs_mode == "processed_logprobs":
-        final_lse = torch.stack(sel.merge_logsumexp(g1[..., 6:9]))
+    final, lse = z, None
+    if mode in ("raw_logprobs", "processed_logprobs"):
+        lse = torch.stack(sel.merge_logsumexp(g1[..., 5:8]))  # processed: greedy rows; sampled rows below
 
     if plan.sampled_rows:
         rows = torch.tensor(plan.sampled_rows, dtype=torch.int64, device=split.device)
@@ -129,28 +133,29 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
         score.masked_fill_(torch.isneginf(zs), NEG_INF)
         best_local, best_id_local = sel.local_max_and_id(score, offset)
         column = (best_id_local - offset)[:, None]
-        winners = torch.cat([_f64(best_local, best_id_local, raw[rows].gather(-1, column).squeeze(-1),
-                                  zs.gather(-1, column).squeeze(-1)), sel.local_sumexp(zs)], dim=-1)
-        g2 = ex.all_gather(winners)
+        winners = [_f64(best_local, best_id_local, raw[rows].gather(-1, column).squeeze(-1),
+                        zs.gather(-1, column).squeeze(-1))]
+        if mode == "processed_logprobs":
+            winners.append(sel.local_sumexp(zs))
+        g2 = ex.all_gather(torch.cat(winners, dim=-1))
         winner = sel.merge_max_lowest_id(g2[..., 0], g2[..., 1].to(torch.int64))[1]
         owner = sel.owner_of(g2[..., 1].to(torch.int64), winner)
         ok = valid[rows]
         tokens[rows] = torch.where(ok, winner, tokens[rows])
         raw_at_token[rows] = torch.where(ok, sel.pick_rank(g2[..., 2], owner), raw_at_token[rows])
         final_at_token[rows] = torch.where(ok, sel.pick_rank(g2[..., 3], owner), final_at_token[rows])
-        if split.sampler.logprobs_mode.startswith("processed"):
+        if mode is not None and mode.startswith("processed"):
             final = z.clone()
             final[rows] = zs
-        if final_lse is not None:
-            final_lse[:, rows] = torch.stack(sel.merge_logsumexp(g2[..., 4:7]))
+        if mode == "processed_logprobs":
+            lse[:, rows] = torch.stack(sel.merge_logsumexp(g2[..., 4:7]))
 
     out = SamplerOutput(tokens, valid, None)
-    if plan.wants_logprobs:
-        if split.sampler.logprobs_mode.startswith("raw"):
+    if mode is not None:
+        if mode.startswith("raw"):
             keys, token_key = sel.saturate_with(raw, raw_posinf), _saturated_value(raw_at_token, raw_posinf)
-            lse = torch.stack(sel.merge_logsumexp(g1[..., 3:6])) if split.sampler.logprobs_mode == "raw_logprobs" else None
         else:
-            keys, token_key, lse = final, final_at_token, final_lse
+            keys, token_key = final, final_at_token
         out.logprobs = _logprobs(split, keys, token_key, lse, plan)
     return out
 
