@@ -29,7 +29,7 @@ class SamplerState:
 
         self.temperature = column(1.0, torch.float32)
         self.top_k = column(0, torch.int64)
-        self.top_p = column(1.0, torch.float32)
+        self.top_p = column(1.0, torch.float64)  # compared with float64 masses
         self.min_p = column(0.0, torch.float32)
         self.presence = column(0.0, torch.float32)
         self.frequency = column(0.0, torch.float32)
