@@ -187,7 +187,6 @@ class VocabSplit:
         self.top_p_pivots = top_p_pivots
         self.top_p_rounds = sel.bisection_rounds(top_p_pivots)
         self.state = SamplerState(sampler.max_slots, self.width, self.device)
-        self.top_p = torch.ones(sampler.max_slots, dtype=torch.float64, device=self.device)
         self.logit_bias: torch.Tensor | None = None
         self.allowed_mask: torch.Tensor | None = None
         self.stop_mask: torch.Tensor | None = None
@@ -259,7 +258,6 @@ class VocabSplit:
         st.admit(slot, bare, seed, position, stream, self._local(prompt), self._local(outputs), ())
         st.params[slot] = params
         st.output_len[slot] = len(outputs)
-        self.top_p[slot] = params.top_p
         if params.logit_bias or self.logit_bias is not None:
             bias = self._dense("logit_bias", torch.float32, 0.0)
             bias[slot] = 0.0

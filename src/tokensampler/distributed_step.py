@@ -124,7 +124,7 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
                 kth = sel.merge_kth_largest(ex.all_gather(candidates), st.top_k[slots])
                 zs.masked_fill_(zs < kth[:, None], NEG_INF)
         if plan.top_p:
-            top_p = split.top_p[slots]
+            top_p = st.top_p[slots].to(torch.float64)
             threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
             zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
         # the Gumbel winner, noise keyed by the global id
