@@ -202,6 +202,50 @@ def test_split_sampler_reports_shared_seed_and_state_accessors():
     assert sum(r[4] for r in results) == 2  # the old output and the new token, each counted once
 
 
+def test_state_move_carries_the_slice_state():
+    """`sampler.state.move` (continuous batching) moves the slice's columns, dense masks and host
+    mirror: the split sampler keeps matching the unsplit one after slots are relocated."""
+    vocab, padded = 61, 64
+    params = [SamplingParams(seed=1, logit_bias={3: 4.0, 40: 6.0}, repetition_penalty=1.5, logprobs=2),
+              SamplingParams(seed=2, allowed_token_ids=(1, 35, 50), top_k=2),
+              SamplingParams(seed=3, min_tokens=3, stop_token_ids=(33,), frequency_penalty=1.0, top_p=0.8)]
+    gen = torch.Generator().manual_seed(4)
+    steps = [torch.randn(3, padded, generator=gen) * 3 for _ in range(3)]
+    for logits in steps:
+        logits[:, 33] = 30.0  # the stop id would win if min_tokens were lost in the move
+
+    def drive(sampler, rank, world):
+        width = padded // world
+        for b, p in enumerate(params):
+            sampler.add_request(b, p, [3, 40, 50], output_token_ids=[35])
+        outs = [sampler.sample(steps[0][:, rank * width:(rank + 1) * width])]
+        sampler.state.move(torch.tensor([3, 0, 4]), torch.tensor([0, 2, 1]))
+        for logits in steps[1:]:
+            outs.append(sampler.sample(logits[:, rank * width:(rank + 1) * width], [3, 0, 4]))
+        return outs
+
+    want = drive(Sampler(vocab, max_slots=5, padded_vocab_size=padded, eos_token_ids=(60,)), 0, 1)
+    results = dc.run_threads(2, lambda ex: drive(Sampler(vocab, max_slots=5, padded_vocab_size=padded,
+                                                         eos_token_ids=(60,), group=ex), ex.rank, 2))
+    assert want[0].token_ids[2] != 33 and want[1].token_ids[1] != 33  # request 2 (in slot 0 after the move)
+    assert want[0].token_ids[0] == 33 and want[2].token_ids[1] == 33  # no min_tokens / min_tokens reached
+    for outs in results:
+        for t, (got, expected) in enumerate(zip(outs, want)):
+            assert not dc.compare(f"step {t}", got, expected)
+
+
+def test_bench_world_bytes_do_not_grow_with_the_vocabulary():
+    from tokensampler.bench_distributed import format_world_table, run_world_bench
+
+    results = run_world_bench(2, cases=["k20_p0.95"], rounds=1, vocabs=(1000, 8000), batch=2)
+    small, large = results
+    assert small["split_bytes_received_per_step"] == large["split_bytes_received_per_step"] > 0
+    assert large["gather_bytes_received_per_step"] > 7 * small["gather_bytes_received_per_step"]
+    assert small["split_collectives_per_step"] == 1 + 1 + 1 + sel.bisection_rounds(255) + 1
+    assert all(r["steps_tokens_equal"] == r["steps"] == 2 for r in results)
+    assert "| k20_p0.95 | 2 | 8000 |" in format_world_table(results)
+
+
 def test_sampling_dp_layout():
     layout = sampling_dp(tp=2, dp=3)
     assert layout.world_size == 6

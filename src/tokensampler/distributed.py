@@ -187,10 +187,7 @@ class VocabSplit:
         self.top_p_pivots = top_p_pivots
         self.top_p_rounds = sel.bisection_rounds(top_p_pivots)
         self.state = SamplerState(sampler.max_slots, self.width, self.device)
-        self.logit_bias: torch.Tensor | None = None
-        self.allowed_mask: torch.Tensor | None = None
-        self.stop_mask: torch.Tensor | None = None
-        self.fingerprints: list[int | None] = [None] * sampler.max_slots
+        self._row_keys: dict[int, tuple[SamplingParams, int]] = {}  # id(params) -> (params, hash)
         self.global_ids = torch.arange(self.offset, self.offset + self.width, device=self.device)
         self.padding = self.global_ids >= self.vocab_size
 
@@ -211,11 +208,23 @@ class VocabSplit:
         return [t - self.offset for t in ids if self.offset <= t < self.offset + self.real_width]
 
     def _dense(self, name: str, dtype: torch.dtype, fill: float | bool) -> torch.Tensor:
-        tensor = getattr(self, name)
+        """The slice state's optional dense column (kept on the state so `SamplerState.move` moves it)."""
+        tensor = getattr(self.state, name)
         if tensor is None:
             tensor = torch.full((self.state.max_slots, self.width), fill, dtype=dtype, device=self.device)
-            setattr(self, name, tensor)
+            setattr(self.state, name, tensor)
         return tensor
+
+    def _row_key(self, slot: int) -> int:
+        """Hash of the slot's params and seed, from the host mirror (follows `state.move`), memoised."""
+        params = self.state.params[slot]
+        cached = self._row_keys.get(id(params))
+        if cached is None or cached[0] is not params:
+            if len(self._row_keys) > 4 * self.state.max_slots:
+                self._row_keys.clear()
+            cached = (params, _fingerprint(_params_key(params)))
+            self._row_keys[id(params)] = cached
+        return _fingerprint(slot, cached[1], self.state.seeds[slot])
 
     # ------------------------------------------------------------ admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -248,7 +257,6 @@ class VocabSplit:
                                 "position, stream) on every rank of the group")
         seed = params.seed if params.seed is not None else int(gathered[0, 1])
         self._admit(slot, params, seed, position, stream, prompt, outputs)
-        self.fingerprints[slot] = _fingerprint(fingerprint, seed)
         return seed
 
     def _admit(self, slot: int, params: SamplingParams, seed: int, position: int, stream: int,
@@ -258,19 +266,20 @@ class VocabSplit:
         st.admit(slot, bare, seed, position, stream, self._local(prompt), self._local(outputs), ())
         st.params[slot] = params
         st.output_len[slot] = len(outputs)
-        if params.logit_bias or self.logit_bias is not None:
+        if params.logit_bias or st.logit_bias is not None:
             bias = self._dense("logit_bias", torch.float32, 0.0)
             bias[slot] = 0.0
-            for token, value in (params.logit_bias or {}).items():
-                if self.offset <= token < self.offset + self.real_width:
-                    bias[slot, token - self.offset] = value
-        if params.allowed_token_ids is not None or self.allowed_mask is not None:
+            mine = {t - self.offset: v for t, v in (params.logit_bias or {}).items()
+                    if self.offset <= t < self.offset + self.real_width}
+            if mine:
+                bias[slot, list(mine)] = torch.tensor(list(mine.values()), dtype=torch.float32, device=self.device)
+        if params.allowed_token_ids is not None or st.allowed_mask is not None:
             allowed = self._dense("allowed_mask", torch.bool, True)
             allowed[slot] = params.allowed_token_ids is None
             if params.allowed_token_ids is not None:
                 allowed[slot, self._local(params.allowed_token_ids)] = True
         stop_ids = list(params.stop_token_ids) + list(self.sampler.eos_token_ids)
-        if (params.min_tokens > 0 and stop_ids) or self.stop_mask is not None:
+        if (params.min_tokens > 0 and stop_ids) or st.stop_mask is not None:
             stop = self._dense("stop_mask", torch.bool, False)
             stop[slot] = False
             if params.min_tokens > 0:
@@ -278,7 +287,6 @@ class VocabSplit:
 
     def release(self, slot: int) -> None:
         self.state.release(slot)
-        self.fingerprints[slot] = None
 
     # ------------------------------------------------------------ the step
     def _check_step(self, logits: Any, slots: Any) -> list[int]:
@@ -293,7 +301,7 @@ class VocabSplit:
                 slot_list = self._check_local_step(logits, slots)
         except InvalidSamplingParams as exc:
             error = exc
-        digest = _fingerprint([(s, self.fingerprints[s]) for s in slot_list], str(getattr(logits, "dtype", "")))
+        digest = _fingerprint([self._row_key(s) for s in slot_list], str(getattr(logits, "dtype", "")))
         payload = torch.tensor([error is not None, batch, width, digest], dtype=torch.int64, device=self.device)
         gathered = self.exchange.all_gather(payload).cpu()
         if error is not None:

@@ -41,12 +41,12 @@ def _processed_z(split: "VocabSplit", logits: torch.Tensor, index: torch.Tensor,
     z.masked_fill_(torch.isnan(z) | split.padding[None, :], NEG_INF)
     raw = z.clone()
     if plan.allowed_ids:
-        z.masked_fill_(~split.allowed_mask[index], NEG_INF)
-    if plan.min_tokens and split.stop_mask is not None:
+        z.masked_fill_(~st.allowed_mask[index], NEG_INF)
+    if plan.min_tokens and st.stop_mask is not None:
         below = st.output_len[index] < st.min_tokens[index]
-        z.masked_fill_(split.stop_mask[index] & below[:, None], NEG_INF)
+        z.masked_fill_(st.stop_mask[index] & below[:, None], NEG_INF)
     if plan.logit_bias:
-        z = z + split.logit_bias[index]
+        z = z + st.logit_bias[index]
     if plan.penalties:
         z = penalties.apply_penalties(z, st.prompt_mask[index], st.output_counts[index],
                                       st.repetition[index], st.frequency[index], st.presence[index])
