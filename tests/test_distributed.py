@@ -8,14 +8,12 @@ Two transports run the same random cases (tests/distributed_cases.py): threads o
 from __future__ import annotations
 
 import json
-import math
-import os
 
+import distributed_cases as dc
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-import distributed_cases as dc
 from tokensampler import Sampler, SamplingParams
 from tokensampler.distributed import SamplingDP, SplitMismatch, sampling_dp
 from tokensampler.ops import distributed_select as sel
@@ -99,7 +97,8 @@ def test_split_equals_unsplit_sampler_threads(world):
         for m, mode in enumerate(dc.MODES):
             case = dc.make_case(100 * world + 10 * m + vocab, vocab, padded, mode)
             label = f"threads w{world} V{vocab}/{padded} {mode}"
-            for rank_failures in dc.run_threads(world, lambda ex: dc.check_case(case, ex, label, with_reference=True)):
+            for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
+                    case, ex, label, with_reference=True)):
                 failures += rank_failures
     assert not failures, "\n".join(failures[:10])
 

@@ -172,7 +172,7 @@ class VocabSplit:
     """The split step behind `Sampler(..., group=...)`: state of this rank's slice and the
     pipeline of collectives. The `Sampler` keeps its public API and dispatches here."""
 
-    def __init__(self, sampler: "Sampler", group: Any, *, top_p_pivots: int = DEFAULT_TOP_P_PIVOTS) -> None:
+    def __init__(self, sampler: Sampler, group: Any, *, top_p_pivots: int = DEFAULT_TOP_P_PIVOTS) -> None:
         self.exchange = as_exchange(group)
         world = self.exchange.world_size
         padded = sampler.padded_vocab_size

@@ -34,7 +34,7 @@ def _saturated_value(value: torch.Tensor, has_posinf: torch.Tensor) -> torch.Ten
     return torch.where(has_posinf, replaced, value)
 
 
-def _processed_z(split: "VocabSplit", logits: torch.Tensor, index: torch.Tensor, plan: "StepPlan"):
+def _processed_z(split: VocabSplit, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan):
     """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf."""
     st = split.state
     z = logits.to(torch.float32, copy=True)
@@ -53,7 +53,7 @@ def _processed_z(split: "VocabSplit", logits: torch.Tensor, index: torch.Tensor,
     return raw, z
 
 
-def _top_p_threshold(split: "VocabSplit", zs: torch.Tensor, p: torch.Tensor, z_max: torch.Tensor,
+def _top_p_threshold(split: VocabSplit, zs: torch.Tensor, p: torch.Tensor, z_max: torch.Tensor,
                      top_p: torch.Tensor) -> torch.Tensor:
     """The smallest kept z whose float64 mass of strictly larger kept z is < top_p * total, found by
     bisection over the ordered float32 keys; `split.top_p_rounds` all-gathers of [S, P]."""
@@ -74,7 +74,7 @@ def _top_p_threshold(split: "VocabSplit", zs: torch.Tensor, p: torch.Tensor, z_m
     return sel.key_to_float(hi)
 
 
-def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tensor, plan: "StepPlan",
+def run_split_step(split: VocabSplit, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                    row_params: Sequence[SamplingParams]) -> SamplerOutput:
     """Sample the rows of `logits` (this rank's slice, [B, width]) for slots `index`, whose
     parameters (host mirror) are `row_params`."""
@@ -160,8 +160,8 @@ def run_split_step(split: "VocabSplit", logits: torch.Tensor, index: torch.Tenso
     return out
 
 
-def _logprobs(split: "VocabSplit", keys: torch.Tensor, token_key: torch.Tensor, lse: torch.Tensor | None,
-              plan: "StepPlan") -> LogprobsOutput:
+def _logprobs(split: VocabSplit, keys: torch.Tensor, token_key: torch.Tensor, lse: torch.Tensor | None,
+              plan: StepPlan) -> LogprobsOutput:
     """The token's value and rank, and the top-N, from one all-gather of [B, 1 + 2 c] per rank.
 
     keys: this rank's scores [B, width] (padding at -inf, never counted); token_key: float64 [B],
@@ -196,7 +196,7 @@ def _logprobs(split: "VocabSplit", keys: torch.Tensor, token_key: torch.Tensor, 
                           top_ids.masked_fill(padding, -1), top_values.masked_fill(padding, NEG_INF))
 
 
-def record_split_tokens(split: "VocabSplit", index: torch.Tensor, tokens: torch.Tensor) -> None:
+def record_split_tokens(split: VocabSplit, index: torch.Tensor, tokens: torch.Tensor) -> None:
     """Count each token on the rank that owns it; every rank advances positions (no host sync)."""
     st = split.state
     local = tokens - split.offset
