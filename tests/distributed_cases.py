@@ -300,6 +300,10 @@ def error_checks(group: Any) -> list[str]:
     local_bad = SamplingParams(seed=8, logit_bias={vocab + 3 if last else 3: 1.0})
     bad += _expect("one rank's request invalid", lambda: sampler.add_request(2, local_bad, [1]),
                    InvalidSamplingParams, "logit_bias" if last else "group")
+    # a local failure that is not a ValueError still reaches every rank (no rank hangs)
+    bad += _expect("one rank's prompt is not a list",
+                   lambda: sampler.add_request(2, SamplingParams(seed=9), None if last else [1]),
+                   TypeError if last else SplitMismatch, None if last else "group")
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(2, padded, generator=gen)
     mine = logits[:, rank * width:(rank + 1) * width]

@@ -192,7 +192,7 @@ class VocabSplit:
         self.padding = self.global_ids >= self.vocab_size
 
     # ------------------------------------------------------------ agreement
-    def _agree(self, error: InvalidSamplingParams | None, values: Sequence[int]) -> torch.Tensor:
+    def _agree(self, error: Exception | None, values: Sequence[int]) -> torch.Tensor:
         """All-gather (error flag, *values); re-raise a local error, or name the rank that failed."""
         payload = torch.tensor([error is not None, *values], dtype=torch.int64, device=self.device)
         gathered = self.exchange.all_gather(payload).cpu()
@@ -249,7 +249,7 @@ class VocabSplit:
                 raise InvalidSamplingParams("stream", stream, "an int in [0, 2^32)")
             fingerprint = _fingerprint(slot, _params_key(params), prompt, outputs, position, stream)
             drawn = secrets.randbits(63)
-        except InvalidSamplingParams as exc:
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting
             error = exc
         gathered = self._agree(error, [fingerprint, drawn])
         if bool((gathered[:, 0] != gathered[0, 0]).any()):
@@ -299,7 +299,7 @@ class VocabSplit:
             batch, width = logits.shape
             if width == self.width:
                 slot_list = self._check_local_step(logits, slots)
-        except InvalidSamplingParams as exc:
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting
             error = exc
         digest = _fingerprint([self._row_key(s) for s in slot_list], str(getattr(logits, "dtype", "")))
         payload = torch.tensor([error is not None, batch, width, digest], dtype=torch.int64, device=self.device)
