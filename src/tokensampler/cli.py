@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import bench
+from . import bench, generate
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -47,6 +47,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                         Callable[[argparse.Namespace], int]]] = [
     (add_bench_parser, run_bench_command),
+    (generate.add_generate_parser, generate.run_generate_command),
 ]
 
 
