@@ -95,11 +95,12 @@ def test_split_equals_unsplit_sampler_threads(world):
     failures = []
     for vocab, padded in dc.CONFIGS[world]:
         for m, mode in enumerate(dc.MODES):
-            case = dc.make_case(100 * world + 10 * m + vocab, vocab, padded, mode)
-            label = f"threads w{world} V{vocab}/{padded} {mode}"
-            for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
-                    case, ex, label, with_reference=True)):
-                failures += rank_failures
+            for seed in (100 * world + 10 * m + vocab, 7919 * world + m + vocab):
+                case = dc.make_case(seed, vocab, padded, mode)
+                label = f"threads w{world} V{vocab}/{padded} {mode} seed {seed}"
+                for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
+                        case, ex, label, with_reference=True)):
+                    failures += rank_failures
     assert not failures, "\n".join(failures[:10])
 
 
@@ -268,8 +269,7 @@ def _gloo_jobs(world):
     for size in range(1, world + 1):
         for i, (vocab, padded) in enumerate(dc.CONFIGS[size]):
             for m, mode in enumerate(dc.MODES):
-                if (m + i + size) % 2 == 0:
-                    jobs.append(("case", size, 1000 + 10 * size + m, vocab, padded, mode))
+                jobs.append(("case", size, 1000 + 100 * size + 10 * i + m, vocab, padded, mode))
         if size >= 2:
             jobs.append(("errors", size))
     jobs.append(("dp", world, 2, world // 2))
