@@ -74,6 +74,24 @@ def _top_p_threshold(split: VocabSplit, zs: torch.Tensor, p: torch.Tensor, z_max
     return sel.key_to_float(hi)
 
 
+def _filter(split: VocabSplit, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,
+            k_max: int) -> torch.Tensor:
+    """min-p (local: the row max is known), top-k (one all-gather of each rank's candidates) and
+    top-p (bisection) on the sampled rows `zs` [S, width], in place; `row_max` is their global max."""
+    st = split.state
+    if plan.min_p:
+        zs.masked_fill_(torch.exp(zs - row_max[:, None]) < st.min_p[slots][:, None], NEG_INF)
+    if plan.top_k and k_max > 0:
+        candidates = sel.local_top_values(zs, min(k_max, split.width))
+        kth = sel.merge_kth_largest(split.exchange.all_gather(candidates), st.top_k[slots])
+        zs.masked_fill_(zs < kth[:, None], NEG_INF)
+    if plan.top_p:
+        top_p = st.top_p[slots].to(torch.float64)
+        threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
+        zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+    return zs
+
+
 def run_split_step(split: VocabSplit, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                    row_params: Sequence[SamplingParams]) -> SamplerOutput:
     """Sample the rows of `logits` (this rank's slice, [B, width]) for slots `index`, whose
@@ -115,18 +133,7 @@ def run_split_step(split: VocabSplit, logits: torch.Tensor, index: torch.Tensor,
         zs = sel.saturate_with(zs, row_max == float("inf"))
         row_max = torch.where(row_max == float("inf"), torch.zeros_like(row_max), row_max)
         row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # bad rows
-        if plan.min_p:
-            zs.masked_fill_(torch.exp(zs - row_max[:, None]) < st.min_p[slots][:, None], NEG_INF)
-        if plan.top_k:
-            k_max = max(row_params[b].top_k for b in plan.sampled_rows)
-            if k_max > 0:
-                candidates = sel.local_top_values(zs, min(k_max, split.width))
-                kth = sel.merge_kth_largest(ex.all_gather(candidates), st.top_k[slots])
-                zs.masked_fill_(zs < kth[:, None], NEG_INF)
-        if plan.top_p:
-            top_p = st.top_p[slots].to(torch.float64)
-            threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
-            zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+        zs = _filter(split, zs, row_max, slots, plan, max(row_params[b].top_k for b in plan.sampled_rows))
         # the Gumbel winner, noise keyed by the global id
         keys = rng.row_key(st.seed[slots], st.position[slots], st.stream[slots])[:, None]
         score = zs + rng.gumbel_from_bits(rng.random_bits(keys, split.global_ids[None, :]))
