@@ -248,7 +248,7 @@ def check_case(case: Case, group: Any, label: str, with_reference: bool = False)
     split_out, seeds = run_case(case, group)
     want, _ = run_case(case, None, seeds)
     bad = []
-    for t, (got, expected) in enumerate(zip(split_out, want)):
+    for t, (got, expected) in enumerate(zip(split_out, want, strict=True)):
         bad += compare(f"{label} step {t}", got, expected)
     if with_reference:
         ref = reference_tokens(case, seeds[0])

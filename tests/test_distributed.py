@@ -230,7 +230,7 @@ def test_state_move_carries_the_slice_state():
     assert want[0].token_ids[2] != 33 and want[1].token_ids[1] != 33  # request 2 (in slot 0 after the move)
     assert want[0].token_ids[0] == 33 and want[2].token_ids[1] == 33  # no min_tokens / min_tokens reached
     for outs in results:
-        for t, (got, expected) in enumerate(zip(outs, want)):
+        for t, (got, expected) in enumerate(zip(outs, want, strict=True)):
             assert not dc.compare(f"step {t}", got, expected)
 
 
