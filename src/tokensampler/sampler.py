@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -88,11 +88,14 @@ class Sampler:
     logprobs_mode: "raw_logprobs" | "raw_logits" | "processed_logprobs" | "processed_logits" (vLLM's).
     max_logprobs: the largest N a request may ask (-1, the whole vocabulary, is always allowed).
     eos_token_ids: removed, with each request's stop ids, while it is below its min_tokens.
+    group: a torch.distributed process group (or a `distributed.Exchange`) over which the
+      vocabulary is split: each rank passes its slice [B, padded_vocab_size / world] and every
+      rank gets the same output (see docs/distributed.md).
     """
 
     def __init__(self, vocab_size: int, *, max_slots: int, device: torch.device | str = "cpu",
                  padded_vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
-                 max_logprobs: int = 20, eos_token_ids: Sequence[int] = ()) -> None:
+                 max_logprobs: int = 20, eos_token_ids: Sequence[int] = (), group: Any = None) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise InvalidSamplingParams("vocab_size", vocab_size, "an int >= 1")
         if not isinstance(max_slots, int) or max_slots < 1:
@@ -112,7 +115,11 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
         self.eos_token_ids = tuple(eos_token_ids)
-        self.state = SamplerState(max_slots, vocab_size, self.device)
+        self._split = None
+        if group is not None:  # vocabulary split: the slice's state and step live in distributed.py
+            from .distributed import VocabSplit
+            self._split = VocabSplit(self, group)
+        self.state = SamplerState(max_slots, vocab_size, self.device) if self._split is None else self._split.state
 
     # ---------------------------------------------------------------- admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -124,6 +131,9 @@ class Sampler:
         stream: the noise stream (choice i of an n > 1 request uses stream i).
         Everything is checked before any state changes.
         """
+        if self._split is not None:
+            return self._split.add_request(slot, params, prompt_token_ids, output_token_ids=output_token_ids,
+                                           position=position, stream=stream)
         self._check_slot(slot)
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParams("params", params, "a SamplingParams")
@@ -194,7 +204,7 @@ class Sampler:
     def remove_request(self, slot: int) -> None:
         """Free `slot`; sampling it again needs a new `add_request`."""
         self._check_slot(slot)
-        self.state.release(slot)
+        (self._split or self.state).release(slot)
 
     def seed_of(self, slot: int) -> int:
         """The effective seed of the request in `slot` (the drawn one for an unseeded request)."""
@@ -220,6 +230,8 @@ class Sampler:
         record: optional bool [B] on the sampler's device; rows where it is False are sampled but
         neither counted nor advanced (their slot's state is left as it was).
         """
+        if self._split is not None:
+            return self._split.sample(logits, slots)
         slot_list = self._check_step(logits, slots)
         if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
                                    or tuple(record.shape) != (len(slot_list),)):

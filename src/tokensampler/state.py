@@ -17,7 +17,7 @@ from .params import SamplingParams
 
 
 class SamplerState:
-    """Device tensors indexed by slot; `move` and `copy_from` relocate whole slots."""
+    """Device tensors indexed by slot; `move` relocates whole slots."""
 
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device) -> None:
         self.max_slots = max_slots
