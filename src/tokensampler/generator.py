@@ -42,7 +42,8 @@ class SamplingGenerator:
     seeds, streams and positions; see the module docstring for the contract.
 
     logprobs_mode, max_logprobs, eos_token_ids: passed to the `Sampler`.
-    group: a torch.distributed group for a vocabulary split (passed to the `Sampler` when given).
+    group: must be None for now: the vocabulary-split `Sampler` does not yet have the slot-state
+      methods (`record=`, `set_params`, `set_noise`, `reset_history`) the contract needs.
     seed_source: draws seeds for unseeded requests (default: `secrets`).
     """
 
@@ -56,10 +57,12 @@ class SamplingGenerator:
         self.max_batch_size = max_batch_size
         self.sampling_dp = sampling_dp
         self.num_lanes = max_batch_size * sampling_dp
-        extra = {} if group is None else {"group": group}
+        if group is not None:  # the split sampler lacks the slot-state methods the contract needs
+            raise InvalidSamplingParams("group", group, "None: the vocabulary split is not wired through "
+                                        "the generator yet (record mask, set_params, set_noise, reset_history)")
         self.sampler = Sampler(vocab_size, max_slots=self.num_lanes, device=device,
                                padded_vocab_size=padded_vocab_size, logprobs_mode=logprobs_mode,
-                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids, **extra)
+                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids)
         self.vocab_size = vocab_size
         self.device = self.sampler.device
         self.seed_manager = SeedManager(self.num_lanes, seed_source=seed_source)

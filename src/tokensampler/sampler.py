@@ -152,6 +152,7 @@ class Sampler:
 
     def set_params(self, slot: int, params: SamplingParams) -> None:
         """Replace the parameters of an occupied `slot`, keeping its seed, position and history."""
+        self._check_unsplit("set_params")
         self._check_occupied(slot)
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParams("params", params, "a SamplingParams")
@@ -161,6 +162,7 @@ class Sampler:
     def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
                   streams: Sequence[int]) -> None:
         """Set the seed, position and stream of occupied slots (one entry per slot), all at once."""
+        self._check_unsplit("set_noise")
         for slot in slots:
             self._check_occupied(slot)
         if not len(slots) == len(seeds) == len(positions) == len(streams):
@@ -184,6 +186,7 @@ class Sampler:
         prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
         (and the output length that min_tokens counts).
         """
+        self._check_unsplit("reset_history")
         for slot in slots:
             self._check_occupied(slot)
         tensors = []
@@ -231,6 +234,8 @@ class Sampler:
         neither counted nor advanced (their slot's state is left as it was).
         """
         if self._split is not None:
+            if record is not None:
+                self._check_unsplit("sample(record=...)")
             return self._split.sample(logits, slots)
         slot_list = self._check_step(logits, slots)
         if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
@@ -299,6 +304,11 @@ class Sampler:
         return result
 
     # ---------------------------------------------------------------- checks
+    def _check_unsplit(self, what: str) -> None:
+        if self._split is not None:
+            raise InvalidSamplingParams("group", what, "None: this slot-state method is not available on a "
+                                        "vocabulary-split sampler yet")
+
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
             raise InvalidSamplingParams("slot", slot, f"an int in [0, {self.max_slots})")
