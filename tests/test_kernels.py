@@ -309,6 +309,28 @@ def test_history_update_matches_record_tokens():
     assert torch.equal(sampler.state.output_len, out_len)
 
 
+def test_record_mask_leaves_history_of_unrecorded_rows():
+    """sample(record=mask): every row is sampled, only rows where the mask is True are counted and advanced."""
+    vocab = 64
+    sampler = Sampler(vocab, max_slots=3, device=DEVICE)
+    sampler._kernel_step = KernelStep(sampler, WIDE)
+    for slot in range(3):
+        sampler.add_request(slot, SamplingParams(temperature=1.0, seed=slot), [1], output_token_ids=[2])
+    counts = sampler.state.output_counts.clone()
+    position = sampler.state.position.clone()
+    out_len = sampler.state.output_len.clone()
+    mask = torch.tensor([True, False, True], device=DEVICE)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    tokens = sampler.sample(logits, record=mask).token_ids.clone()
+    rows = torch.tensor([0, 2], device=DEVICE)
+    counts[rows, tokens[rows]] += 1
+    position[rows] += 1
+    out_len[rows] += 1
+    assert torch.equal(sampler.state.output_counts, counts)
+    assert torch.equal(sampler.state.position, position)
+    assert torch.equal(sampler.state.output_len, out_len)
+
+
 def test_buffers_are_reused_between_steps():
     """No allocation per step: the second step of the same batch writes into the same buffers."""
     vocab = 50

@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import bench
+from . import bench, generate
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -21,10 +21,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--case", dest="cases", action="append", default=None,
                         help="run only this case (repeatable); default: the whole matrix")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per arm (default 7, quick 3)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="split the vocabulary over N gloo ranks on this machine (bench_distributed.py)")
     return parser
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.world is not None:
+        from . import bench_distributed
+
+        results = bench_distributed.run_world_bench(args.world, quick=args.quick, cases=args.cases,
+                                                    rounds=args.rounds, json_path=args.json_path)
+        print(bench_distributed.format_world_table(results))
+        return 0 if all(r["steps_tokens_equal"] == r["steps"] for r in results) else 1
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
                               cases=args.cases, rounds=args.rounds)
     print(bench.format_table(results))
@@ -38,6 +47,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                         Callable[[argparse.Namespace], int]]] = [
     (add_bench_parser, run_bench_command),
+    (generate.add_generate_parser, generate.run_generate_command),
 ]
 
 

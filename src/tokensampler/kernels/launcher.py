@@ -113,8 +113,10 @@ class KernelStep:
         return splits, chunk
 
     # ------------------------------------------------------------------ the step
-    def run(self, logits: torch.Tensor, slots: Sequence[int], plan: "StepPlan") -> SamplerOutput:
-        """One step for rows `slots` (distinct, occupied, checked by the Sampler)."""
+    def run(self, logits: torch.Tensor, slots: Sequence[int], plan: "StepPlan",
+            record: torch.Tensor | None = None) -> SamplerOutput:
+        """One step for rows `slots` (distinct, occupied, checked by the Sampler); rows where the
+        bool [B] `record` is False are sampled but their history is left as it was."""
         batch = logits.shape[0]
         self._reserve(max(batch, 1))
         if logits.stride(1) != 1:
@@ -147,8 +149,8 @@ class KernelStep:
         select_kernel[(batch,)](
             self.z, self.index, self.fstat, self.istat, st.temperature, st.top_k, st.top_p, st.min_p,
             st.seed, st.position, st.stream, st.output_counts, st.output_len,
-            self.tokens, self.valid, self.info_f, self.info_i, vocab,
-            HAS_MIN_P=plan.min_p, HAS_TOP_K=plan.top_k, HAS_TOP_P=plan.top_p,
+            record if record is not None else self.valid, self.tokens, self.valid, self.info_f, self.info_i, vocab,
+            HAS_MIN_P=plan.min_p, HAS_TOP_K=plan.top_k, HAS_TOP_P=plan.top_p, HAS_RECORD=record is not None,
             BLOCK=cfg.select_block, NSPLIT=splits, NPIV=cfg.pivots, **launch)
         if plan.wants_logprobs:
             if self._num_logprobs != plan.num_logprobs:

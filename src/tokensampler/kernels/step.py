@@ -206,8 +206,8 @@ def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_
 @triton.jit
 def select_kernel(z_ptr, slot_ptr, fstat_ptr, istat_ptr,
                   temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, stream_ptr,
-                  counts_ptr, output_len_ptr, token_ptr, valid_ptr, info_f_ptr, info_i_ptr, vocab,
-                  HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr,
+                  counts_ptr, output_len_ptr, record_ptr, token_ptr, valid_ptr, info_f_ptr, info_i_ptr, vocab,
+                  HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_RECORD: tl.constexpr,
                   BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NPIV: tl.constexpr):
     """Steps 6-11 and 13 for row b: the token, its validity, the row facts the logprobs need."""
     row = tl.program_id(0)
@@ -276,11 +276,15 @@ def select_kernel(z_ptr, slot_ptr, fstat_ptr, istat_ptr,
     tl.store(info_i_ptr + row * 4 + 1, flags)
     tl.store(info_i_ptr + row * 4 + 2, xk)
     tl.store(info_i_ptr + row * 4 + 3, xp)
-    # 13. history: the token is counted, the position and the output length advance
+    # 13. history: the token is counted, the position and the output length advance (by 0 for the
+    # rows whose `record` is False: same launches either way)
+    step = 1
+    if HAS_RECORD:
+        step = (tl.load(record_ptr + row) != 0).to(tl.int32)
     count_at = counts_ptr + slot * vocab + token
-    tl.store(count_at, tl.load(count_at) + 1)
-    tl.store(position_ptr + slot, tl.load(position_ptr + slot) + 1)
-    tl.store(output_len_ptr + slot, tl.load(output_len_ptr + slot) + 1)
+    tl.store(count_at, tl.load(count_at) + step)
+    tl.store(position_ptr + slot, tl.load(position_ptr + slot) + step)
+    tl.store(output_len_ptr + slot, tl.load(output_len_ptr + slot) + step)
 
 
 @triton.jit
