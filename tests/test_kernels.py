@@ -39,8 +39,10 @@ from tokensampler.reference import LOGPROBS_MODES, ReferenceRequest, reference_s
 
 NEG_INF = float("-inf")
 # one block per row pass (fast under the interpreter) / many small blocks and 4 splits per row
-WIDE = KernelConfig(prepare_block=128, select_block=512, logprobs_block=512, pivots=256, splits=2, num_warps=4)
-NARROW = KernelConfig(prepare_block=16, select_block=32, logprobs_block=32, pivots=4, splits=4, num_warps=4)
+WIDE = KernelConfig(prepare_block=128, select_block=512, logprobs_block=512, pivots=256, splits=2, num_warps=4,
+                    window_cap=512, window_block=512)
+NARROW = KernelConfig(prepare_block=16, select_block=32, logprobs_block=32, pivots=4, splits=4, num_warps=4,
+                      window_cap=8, window_block=4)
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ PREPARE_TYPES = dict(logits_ptr="*bf16", logits_stride="i32", slot_ptr="*i64", z
 SELECT_TYPES = dict(z_ptr="*fp32", slot_ptr="*i64", fstat_ptr="*fp32", istat_ptr="*i64", temperature_ptr="*fp32",
                     top_k_ptr="*i64", top_p_ptr="*fp64", min_p_ptr="*fp32", seed_ptr="*i64", position_ptr="*i64",
                     stream_ptr="*i64", counts_ptr="*i32", output_len_ptr="*i64", record_ptr="*i1", token_ptr="*i64",
-                    valid_ptr="*i1",
+                    valid_ptr="*i1", list_key_ptr="*i64", list_p_ptr="*fp32",
                     info_f_ptr="*fp32", info_i_ptr="*i64", vocab="i32")
 LOGPROBS_TYPES = dict(logits_ptr="*fp16", logits_stride="i32", z_ptr="*fp32", token_ptr="*i64", num_ptr="*i64",
                       info_f_ptr="*fp32", info_i_ptr="*i64", token_lp_ptr="*fp32", rank_ptr="*i64",
@@ -40,7 +40,8 @@ def variants():
     yield ("prepare", step.prepare_kernel, PREPARE_TYPES,
            dict(HAS_ALLOWED=True, HAS_STOP=True, HAS_BIAS=True, HAS_PENALTIES=True, BLOCK=1024, NSPLIT=4))
     yield ("select", step.select_kernel, SELECT_TYPES,
-           dict(HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_RECORD=True, BLOCK=512, NSPLIT=4, NPIV=16))
+           dict(HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_RECORD=True, BLOCK=512, NSPLIT=4, NPIV=16,
+                CAP=4096, LBLOCK=512))
     yield ("logprobs", step.logprobs_kernel, LOGPROBS_TYPES,
            dict(PROCESSED=True, AS_LOGPROBS=True, HAS_MIN_P=True, WIDTH=20, WPAD=32, BLOCK=1024))
 

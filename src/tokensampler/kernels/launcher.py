@@ -29,20 +29,24 @@ class KernelConfig:
     """Block sizes and work split of the kernels (powers of two).
 
     splits: programs per row of the prepare kernel (0 = enough for ~4 programs per SM on CUDA,
-    1 on CPU). pivots: thresholds tested per pass of the top-k / top-p search.
+    1 on CPU). pivots: thresholds tested per pass of the top-k / top-p search. window_cap: once the
+    search window holds at most this many ids they are copied to a per-row list (read window_block
+    at a time) and later passes read only the list.
     """
 
     prepare_block: int = 1024
     select_block: int = 512
     logprobs_block: int = 1024
     pivots: int = 16
+    window_cap: int = 4096
+    window_block: int = 512
     splits: int = 0
     num_warps: int = 8
 
     def __post_init__(self) -> None:
         if self.logprobs_block < 32:
             raise ValueError(f"KernelConfig.logprobs_block={self.logprobs_block} is invalid: allowed a power of two >= 32")
-        for name in ("prepare_block", "select_block", "logprobs_block", "pivots"):
+        for name in ("prepare_block", "select_block", "logprobs_block", "pivots", "window_cap", "window_block"):
             value = getattr(self, name)
             if value < 2 or value & (value - 1):
                 raise ValueError(f"KernelConfig.{name}={value} is invalid: allowed a power of two >= 2")
@@ -94,6 +98,8 @@ class KernelStep:
         self.valid = make((cap,), torch.bool, False)
         self.info_f = make((cap * 4,), torch.float32)
         self.info_i = make((cap * 4,), torch.int64)
+        self.window_keys = make((cap * cfg.window_cap,), torch.int64)
+        self.window_p = make((cap * cfg.window_cap,), torch.float32)
         self.num_logprobs = make((cap,), torch.int64, -1)
         self.token_logprobs = make((cap,), torch.float32)
         self.token_ranks = make((cap,), torch.int64)
@@ -149,9 +155,11 @@ class KernelStep:
         select_kernel[(batch,)](
             self.z, self.index, self.fstat, self.istat, st.temperature, st.top_k, st.top_p, st.min_p,
             st.seed, st.position, st.stream, st.output_counts, st.output_len,
-            record if record is not None else self.valid, self.tokens, self.valid, self.info_f, self.info_i, vocab,
+            record if record is not None else self.valid, self.tokens, self.valid, self.info_f, self.info_i,
+            self.window_keys, self.window_p, vocab,
             HAS_MIN_P=plan.min_p, HAS_TOP_K=plan.top_k, HAS_TOP_P=plan.top_p, HAS_RECORD=record is not None,
-            BLOCK=cfg.select_block, NSPLIT=splits, NPIV=cfg.pivots, **launch)
+            BLOCK=cfg.select_block, NSPLIT=splits, NPIV=cfg.pivots, CAP=cfg.window_cap, LBLOCK=cfg.window_block,
+            **launch)
         if plan.wants_logprobs:
             if self._num_logprobs != plan.num_logprobs:
                 self.num_logprobs[:batch].copy_(torch.tensor(plan.num_logprobs, dtype=torch.int64))

@@ -89,45 +89,71 @@ def kept_summary(z_row_ptr, vocab, pen_posinf, t_posinf, temperature, z_max, min
 
 
 @triton.jit
-def search_threshold(z_row_ptr, vocab, pen_posinf, t_posinf, temperature, z_max, min_p, xk, lo, hi,
-                     max_count, max_mass, BY_MASS: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                     BLOCK: tl.constexpr, NPIV: tl.constexpr):
+def search_threshold(z_row_ptr, vocab, pen_posinf, t_posinf, temperature, z_max, min_p, xk, lo, hi, count_lo,
+                     max_count, max_mass, list_key_ptr, list_p_ptr, BY_MASS: tl.constexpr, HAS_MIN_P: tl.constexpr,
+                     BLOCK: tl.constexpr, NPIV: tl.constexpr, CAP: tl.constexpr, LBLOCK: tl.constexpr):
     """The smallest key x in (lo, hi] with A(x) < limit, where A(x) is the number (or the float64
     mass) of kept ids whose key is > x. A falls as x grows, A(hi) < limit and A(lo) >= limit, so
-    an id stays iff its key >= x. NPIV pivots per pass: 32 bits in <= 9 passes over the row.
+    an id stays iff its key >= x. NPIV pivots per pass: 32 bits in <= 9 passes.
 
     A(hi) is carried from pass to pass (0 at first: hi is the max), so a pass only weighs the ids
     inside the window (lo, hi] against the pivots: A(pivot) = A(hi) + their share above the pivot.
-    After the first pass few ids are in the window, and blocks without any skip the pivot work."""
-    if BY_MASS:
-        above_hi = tl.full([], 0.0, tl.float64)
-    else:
-        above_hi = tl.full([], 0, tl.int64)
+    `count_lo` is the number of kept ids above lo. Once the window holds at most CAP ids, one more
+    pass copies their (key, p) to the row's list and every later pass reads only the list."""
+    above_hi_n = tl.full([], 0, tl.int64)
+    above_hi_m = tl.full([], 0.0, tl.float64)
+    listed = tl.full([], 0, tl.int32)
+    n_list = tl.full([], 0, tl.int32)
     while hi - lo > 1:
+        if listed == 0:
+            if count_lo - above_hi_n <= CAP:
+                for start in range(0, vocab, BLOCK):
+                    ids = start + tl.arange(0, BLOCK)
+                    zt, p, key, kept = sampled_block(z_row_ptr, ids, ids < vocab, pen_posinf, t_posinf,
+                                                     temperature, z_max, min_p, xk, INT64_MIN, HAS_MIN_P)
+                    window = kept & (key > lo) & (key <= hi)
+                    if tl.max(window.to(tl.int32)) > 0:
+                        where = n_list + tl.cumsum(window.to(tl.int32), axis=0) - 1
+                        tl.store(list_key_ptr + where, key, mask=window)
+                        tl.store(list_p_ptr + where, p, mask=window)
+                        n_list += tl.sum(window.to(tl.int32))
+                tl.debug_barrier()  # the list is read back by other threads of this program
+                listed = 1
         step = (hi - lo + NPIV - 1) // NPIV
         pivots = tl.minimum(lo + step * (1 + tl.arange(0, NPIV)).to(tl.int64), hi)
-        if BY_MASS:
-            above = tl.zeros([NPIV], tl.float64)
+        above_n = tl.zeros([NPIV], tl.int64)
+        above_m = tl.zeros([NPIV], tl.float64)
+        if listed == 0:
+            for start in range(0, vocab, BLOCK):
+                ids = start + tl.arange(0, BLOCK)
+                zt, p, key, kept = sampled_block(z_row_ptr, ids, ids < vocab, pen_posinf, t_posinf, temperature,
+                                                 z_max, min_p, xk, INT64_MIN, HAS_MIN_P)
+                window = kept & (key > lo) & (key <= hi)
+                if tl.max(window.to(tl.int32)) > 0:
+                    hit = window[None, :] & (key[None, :] > pivots[:, None])
+                    above_n += tl.sum(hit.to(tl.int64), axis=1)
+                    if BY_MASS:
+                        above_m += tl.sum(tl.where(hit, p.to(tl.float64)[None, :], 0.0), axis=1)
         else:
-            above = tl.zeros([NPIV], tl.int64)
-        for start in range(0, vocab, BLOCK):
-            ids = start + tl.arange(0, BLOCK)
-            zt, p, key, kept = sampled_block(z_row_ptr, ids, ids < vocab, pen_posinf, t_posinf, temperature,
-                                             z_max, min_p, xk, INT64_MIN, HAS_MIN_P)
-            window = kept & (key > lo) & (key <= hi)
-            if tl.max(window.to(tl.int32)) > 0:
+            for start in range(0, n_list, LBLOCK):
+                idx = start + tl.arange(0, LBLOCK)
+                in_list = idx < n_list
+                key = tl.load(list_key_ptr + idx, mask=in_list, other=INT64_MIN)
+                p = tl.load(list_p_ptr + idx, mask=in_list, other=0.0)
+                window = in_list & (key > lo) & (key <= hi)
                 hit = window[None, :] & (key[None, :] > pivots[:, None])
+                above_n += tl.sum(hit.to(tl.int64), axis=1)
                 if BY_MASS:
-                    above += tl.sum(tl.where(hit, p.to(tl.float64)[None, :], 0.0), axis=1)
-                else:
-                    above += tl.sum(hit.to(tl.int64), axis=1)
-        above = above_hi + above
+                    above_m += tl.sum(tl.where(hit, p.to(tl.float64)[None, :], 0.0), axis=1)
+        above_n = above_hi_n + above_n
+        above_m = above_hi_m + above_m
         if BY_MASS:
-            ok = above < max_mass
-            above_hi = tl.max(tl.where(ok, above, 0.0))
+            ok = above_m < max_mass
         else:
-            ok = above < max_count
-            above_hi = tl.max(tl.where(ok, above, 0))
+            ok = above_n < max_count
+        above_hi_n = tl.max(tl.where(ok, above_n, 0))
+        above_hi_m = tl.max(tl.where(ok, above_m, 0.0))
+        count_lo = tl.min(tl.where(ok, count_lo, above_n))
         hi = tl.min(tl.where(ok, pivots, hi))
         lo = tl.max(tl.where(ok, lo, pivots))
     return hi
@@ -206,13 +232,17 @@ def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_
 @triton.jit
 def select_kernel(z_ptr, slot_ptr, fstat_ptr, istat_ptr,
                   temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, stream_ptr,
-                  counts_ptr, output_len_ptr, record_ptr, token_ptr, valid_ptr, info_f_ptr, info_i_ptr, vocab,
+                  counts_ptr, output_len_ptr, record_ptr, token_ptr, valid_ptr, info_f_ptr, info_i_ptr,
+                  list_key_ptr, list_p_ptr, vocab,
                   HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_RECORD: tl.constexpr,
-                  BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NPIV: tl.constexpr):
+                  BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NPIV: tl.constexpr, CAP: tl.constexpr,
+                  LBLOCK: tl.constexpr):
     """Steps 6-11 and 13 for row b: the token, its validity, the row facts the logprobs need."""
     row = tl.program_id(0)
     slot = tl.load(slot_ptr + row)
     z_row = z_ptr + row.to(tl.int64) * vocab
+    list_key = list_key_ptr + row.to(tl.int64) * CAP
+    list_p = list_p_ptr + row.to(tl.int64) * CAP
     splits = (row * NSPLIT + tl.arange(0, NSPLIT)) * 2
     raw_max, raw_arg = combine_argmax(tl.load(fstat_ptr + splits), tl.load(istat_ptr + splits))
     z_max_pen, z_arg = combine_argmax(tl.load(fstat_ptr + splits + 1), tl.load(istat_ptr + splits + 1))
@@ -240,15 +270,17 @@ def select_kernel(z_ptr, slot_ptr, fstat_ptr, istat_ptr,
                 n_kept, low_key, _ = kept_summary(z_row, vocab, pen_posinf, t_posinf, safe_temperature, z_max,
                                                   min_p, xk, xp, HAS_MIN_P, BLOCK)
                 if n_kept > top_k:
-                    xk = search_threshold(z_row, vocab, pen_posinf, t_posinf, safe_temperature, z_max, min_p,
-                                          xk, low_key - 1, max_key, top_k, 0.0, False, HAS_MIN_P, BLOCK, NPIV)
+                    xk = search_threshold(z_row, vocab, pen_posinf, t_posinf, safe_temperature, z_max, min_p, xk,
+                                          low_key - 1, max_key, n_kept, top_k, 0.0, list_key, list_p, False,
+                                          HAS_MIN_P, BLOCK, NPIV, CAP, LBLOCK)
         if HAS_TOP_P:
             top_p = tl.load(top_p_ptr + slot).to(tl.float64)
             if top_p < 1.0:
-                _, low_key, total = kept_summary(z_row, vocab, pen_posinf, t_posinf, safe_temperature, z_max,
-                                                 min_p, xk, xp, HAS_MIN_P, BLOCK)
+                n_kept, low_key, total = kept_summary(z_row, vocab, pen_posinf, t_posinf, safe_temperature, z_max,
+                                                      min_p, xk, xp, HAS_MIN_P, BLOCK)
                 xp = search_threshold(z_row, vocab, pen_posinf, t_posinf, safe_temperature, z_max, min_p, xk,
-                                      low_key - 1, max_key, 0, top_p * total, True, HAS_MIN_P, BLOCK, NPIV)
+                                      low_key - 1, max_key, n_kept, 0, top_p * total, list_key, list_p, True,
+                                      HAS_MIN_P, BLOCK, NPIV, CAP, LBLOCK)
         # 11. Gumbel argmax over the kept ids; a block whose best z + GUMBEL_MAX cannot reach the
         # row's best z + GUMBEL_MIN (the max is always kept) cannot hold the winner: no noise there.
         noise_key = row_key(tl.load(seed_ptr + slot), tl.load(position_ptr + slot), tl.load(stream_ptr + slot))
