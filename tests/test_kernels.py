@@ -333,6 +333,22 @@ def test_record_mask_leaves_history_of_unrecorded_rows():
     assert torch.equal(sampler.state.output_len, out_len)
 
 
+def test_search_window_goes_to_the_list():
+    """With window_cap = 8 the top-k / top-p searches copy the last ids of their window to the row's
+    list (and the tokens still equal the reference's)."""
+    vocab = 200
+    gen = torch.Generator().manual_seed(4)
+    params = [SamplingParams(temperature=1.0, top_k=20, seed=1), SamplingParams(temperature=0.7, top_p=0.8, seed=2)]
+    twin = Twin(params, [([], [])] * 2, vocab=vocab, padded=vocab, slots=[0, 1], max_slots=2,
+                mode="raw_logprobs", eos=(), config=NARROW)
+    step = twin.sampler._kernel_step
+    step._reserve(2)
+    step.window_keys.zero_()
+    twin.step(torch.randn(2, vocab, generator=gen) * 3)
+    lists = step.window_keys.view(-1, NARROW.window_cap)[:2]
+    assert bool((lists != 0).any(dim=1).all())
+
+
 def test_buffers_are_reused_between_steps():
     """No allocation per step: the second step of the same batch writes into the same buffers."""
     vocab = 50

@@ -114,11 +114,12 @@ def search_threshold(z_row_ptr, vocab, pen_posinf, t_posinf, temperature, z_max,
                     window = kept & (key > lo) & (key <= hi)
                     if tl.max(window.to(tl.int32)) > 0:
                         where = n_list + tl.cumsum(window.to(tl.int32), axis=0) - 1
-                        tl.store(list_key_ptr + where, key, mask=window)
-                        tl.store(list_p_ptr + where, p, mask=window)
+                        tl.store(list_key_ptr + where, key, mask=window & (where < CAP))
+                        tl.store(list_p_ptr + where, p, mask=window & (where < CAP))
                         n_list += tl.sum(window.to(tl.int32))
                 tl.debug_barrier()  # the list is read back by other threads of this program
-                listed = 1
+                listed = (n_list <= CAP).to(tl.int32)  # never false (the count is exact): a guard
+                n_list = tl.where(listed == 1, n_list, 0)
         step = (hi - lo + NPIV - 1) // NPIV
         pivots = tl.minimum(lo + step * (1 + tl.arange(0, NPIV)).to(tl.int64), hi)
         above_n = tl.zeros([NPIV], tl.int64)
