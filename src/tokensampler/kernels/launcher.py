@@ -45,7 +45,8 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         if self.logprobs_block < 32:
-            raise ValueError(f"KernelConfig.logprobs_block={self.logprobs_block} is invalid: allowed a power of two >= 32")
+            raise ValueError(f"KernelConfig.logprobs_block={self.logprobs_block} is invalid: "
+                             "allowed a power of two >= 32")
         for name in ("prepare_block", "select_block", "logprobs_block", "pivots", "window_cap", "window_block"):
             value = getattr(self, name)
             if value < 2 or value & (value - 1):
