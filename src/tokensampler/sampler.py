@@ -282,6 +282,7 @@ class Sampler:
             zs = self._filter(z[rows], index[rows], plan)
             slots = index[rows]
             tokens[rows] = gumbel.gumbel_argmax(zs, st.seed[slots], st.position[slots], st.stream[slots])
+            valid[rows] &= ~torch.isneginf(zs).all(dim=-1)  # z / T may underflow every id to -inf
             if self.logprobs_mode.startswith("processed"):
                 final = z.clone()
                 final[rows] = zs
