@@ -161,6 +161,21 @@ def _fingerprint(*parts: Any) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
+def call_key(value: Any) -> Any:
+    """`value` with every tensor replaced by (dtype, shape, hash of its bytes), for `_fingerprint`
+    (the repr of a large tensor elides values). Reads tensors back to the host."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", str(value.dtype), tuple(value.shape), hashlib.blake2b(data, digest_size=8).hexdigest())
+    if isinstance(value, SamplingParams):
+        return _params_key(value)
+    if isinstance(value, dict):
+        return ("dict", tuple((call_key(k), call_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(call_key(v) for v in value))
+    return value
+
+
 def _params_key(params: SamplingParams) -> tuple:
     fields = dataclasses.asdict(params) if params.logit_bias is None else {
         **{f.name: getattr(params, f.name) for f in dataclasses.fields(params)},
@@ -203,6 +218,20 @@ class VocabSplit:
             raise SplitMismatch("group", f"rank {failed[0]} rejected its input",
                                 "valid input on every rank of the group")
         return gathered[:, 1:]
+
+    def agree(self, error: BaseException | None, what: str, key: Any) -> None:
+        """One all-gather ending a call's checks on every rank: re-raise this rank's `error`, name
+        the rank that failed on the others, or raise `SplitMismatch(what)` when the ranks' `key`s
+        (the call's checked arguments, see `call_key`) differ. Call it before any state changes."""
+        digest = 0 if error is not None else _fingerprint(call_key(key))
+        gathered = self._agree(error, [digest])
+        if bool((gathered[:, 0] != gathered[0, 0]).any()):
+            raise SplitMismatch(what, "different arguments across ranks",
+                                "the same call, with the same arguments, on every rank of the group")
+
+    def shared_random_bits(self) -> int:
+        """63 random bits drawn on rank 0, the same on every rank (one all-gather)."""
+        return int(self._agree(None, [secrets.randbits(63)])[0, 0])
 
     def _local(self, ids: Sequence[int]) -> list[int]:
         return [t - self.offset for t in ids if self.offset <= t < self.offset + self.real_width]
@@ -264,8 +293,15 @@ class VocabSplit:
         st = self.state
         bare = dataclasses.replace(params, logit_bias=None, allowed_token_ids=None, stop_token_ids=())
         st.admit(slot, bare, seed, position, stream, self._local(prompt), self._local(outputs), ())
-        st.params[slot] = params
         st.output_len[slot] = len(outputs)
+        self._write_params(slot, params)
+
+    def _write_params(self, slot: int, params: SamplingParams) -> None:
+        """The parameter columns of `slot`, with bias, allowed and stop/EOS ids translated to local ids."""
+        st = self.state
+        bare = dataclasses.replace(params, logit_bias=None, allowed_token_ids=None, stop_token_ids=())
+        st.write_params(slot, bare, ())
+        st.params[slot] = params
         if params.logit_bias or st.logit_bias is not None:
             bias = self._dense("logit_bias", torch.float32, 0.0)
             bias[slot] = 0.0
@@ -288,10 +324,55 @@ class VocabSplit:
     def release(self, slot: int) -> None:
         self.state.release(slot)
 
+    # ------------------------------------------------------------ slot-state updates (the generator's)
+    def set_params(self, slot: int, params: SamplingParams) -> None:
+        """`Sampler.set_params` on every rank: the ranks agree, then each writes its translation."""
+        error = None
+        try:
+            self.sampler._check_set_params(slot, params)
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting
+            error = exc
+        self.agree(error, "params", (slot, params))
+        self._write_params(slot, params)
+
+    def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
+                  streams: Sequence[int]) -> None:
+        """`Sampler.set_noise` on every rank (the noise columns are replicated)."""
+        error, checked = None, None
+        try:
+            checked = self.sampler._check_noise(slots, seeds, positions, streams)
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather
+            error = exc
+        self.agree(error, "seeds/positions/streams", checked)
+        self.sampler._write_noise(*checked)
+
+    def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
+                      output_token_ids: torch.Tensor | None) -> None:
+        """`Sampler.reset_history` from global ids: each rank keeps the ids of its slice; the
+        output length (min_tokens) counts every output id."""
+        error, checked = None, None
+        try:
+            checked = self.sampler._check_history(slots, prompt_token_ids, output_token_ids)
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather
+            error = exc
+        self.agree(error, "token histories", checked)
+        index, prompt, output = checked
+        self.state.rebuild_history(index, self._local_ids(prompt), self._local_ids(output))
+        if output is not None:
+            self.state.output_len[index] = (output >= 0).sum(dim=1)
+
+    def _local_ids(self, ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Global ids [R, S] (-1 = padding) as this slice's local ids, other ranks' ids as -1."""
+        if ids is None:
+            return None
+        local = ids - self.offset
+        return torch.where((local >= 0) & (local < self.real_width), local, torch.full_like(ids, -1))
+
     # ------------------------------------------------------------ the step
-    def _check_step(self, logits: Any, slots: Any) -> list[int]:
-        """Local checks, then one all-gather: every rank raises if any rank failed or disagrees."""
-        error, slot_list, batch, width = None, [], -1, -1
+    def _check_step(self, logits: Any, slots: Any, record: Any = None) -> list[int]:
+        """Local checks, then one all-gather: every rank raises if any rank failed or disagrees.
+        The record mask, when given, is part of what the ranks must agree on (a host read)."""
+        error, slot_list, batch, width, recorded = None, [], -1, -1, None
         try:
             if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
                 raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
@@ -299,9 +380,12 @@ class VocabSplit:
             batch, width = logits.shape
             if width == self.width:
                 slot_list = self._check_local_step(logits, slots)
+                self.sampler._check_record(record, len(slot_list))
+                recorded = None if record is None else record.tolist()
         except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting
             error = exc
-        digest = _fingerprint([self._row_key(s) for s in slot_list], str(getattr(logits, "dtype", "")))
+            slot_list = []
+        digest = _fingerprint([self._row_key(s) for s in slot_list], str(getattr(logits, "dtype", "")), recorded)
         payload = torch.tensor([error is not None, batch, width, digest], dtype=torch.int64, device=self.device)
         gathered = self.exchange.all_gather(payload).cpu()
         if error is not None:
@@ -318,7 +402,7 @@ class VocabSplit:
                                 "valid input on every rank of the group")
         if any(d != gathered[0, 3] for d in gathered[:, 3].tolist()):
             raise SplitMismatch("params", "different slots or requests across ranks",
-                                "the same slots, requests and logits dtype on every rank of the group")
+                                "the same slots, requests, record mask and logits dtype on every rank of the group")
         return slot_list
 
     def _check_local_step(self, logits: torch.Tensor, slots: Any) -> list[int]:
@@ -336,12 +420,14 @@ class VocabSplit:
             self.sampler._check_occupied(slot)
         return slot_list
 
-    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> SamplerOutput:
-        """`Sampler.sample` on this rank's slice [B, width]: the same output on every rank."""
+    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None, *,
+               record: torch.Tensor | None = None) -> SamplerOutput:
+        """`Sampler.sample` on this rank's slice [B, width]: the same output on every rank. Rows
+        where `record` (bool [B]) is False are sampled but neither counted nor advanced."""
         from .distributed_step import record_split_tokens, run_split_step
         from .sampler import plan_step
 
-        slot_list = self._check_step(logits, slots)
+        slot_list = self._check_step(logits, slots, record)
         if not slot_list:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=self.device),
                                  torch.empty(0, dtype=torch.bool, device=self.device), None)
@@ -349,5 +435,5 @@ class VocabSplit:
         plan = plan_step(rows, self.vocab_size)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
         out = run_split_step(self, logits, index, plan, rows)
-        record_split_tokens(self, index, out.token_ids)
+        record_split_tokens(self, index, out.token_ids, record)
         return out

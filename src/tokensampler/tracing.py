@@ -2,8 +2,9 @@
 
 A captured step bakes in its step plan (which rows are greedy, which filters run), so each trace
 also records the rows' parameters and is captured again when they change. A key is bound to the
-logits tensor it was captured with: replaying with another raises `TraceMismatch`. Off CUDA the
-same bookkeeping runs and the step is eager; on CUDA a step that cannot be captured runs eagerly.
+logits tensor it was captured with: replaying with another raises `TraceMismatch`. Off CUDA, and
+for a vocabulary-split sampler (its step reads the ranks' agreement on the host), the same
+bookkeeping runs and the step is eager; on CUDA a step that cannot be captured runs eagerly.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class StepTracer:
         nothing; the warm-up step records no token (its record mask is all False)."""
         self.captures += 1
         trace = _Trace(_tensor_id(logits), signature)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.sampler._split is not None:  # a split step syncs on the host
             return trace
         record = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
         try:
