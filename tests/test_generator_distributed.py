@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 from tokensampler import Sampler, SamplingParams
 from tokensampler.batch_params import BatchSamplingParams
 from tokensampler.distributed import SplitMismatch
-from tokensampler.generator import SamplingGenerator
+from tokensampler.generator import SamplingGenerator, TraceMismatch
 from tokensampler.params import InvalidSamplingParams
 from tokensampler.seeds import InvalidSlotRemap
 
@@ -127,6 +127,9 @@ def _split_generator_errors(ex):
     split, whole = gens
     sampler = split.sampler
     other = "group"
+    buffer = torch.randn(4, padded, generator=torch.Generator().manual_seed(2))
+    bound = buffer[:, ex.rank * width:(ex.rank + 1) * width]  # the tensor a traced step is bound to
+    assert torch.equal(split.sample(bound, enable_trace=True)[0], whole.sample(buffer)[0])
     checks = [
         ("remap of a wrong length on one rank", lambda: split.apply_decode_state(
             params, reload_sampling_params=False, reset_sampling_state=False,
@@ -141,6 +144,9 @@ def _split_generator_errors(ex):
         ("an empty active slot on one rank", lambda: split.sample(
             torch.zeros(4, width), active_slots=[0, 1] if last else [0, 2]), InvalidSamplingParams,
          "active_slots" if last else other),
+        ("a traced step with another logits tensor on one rank", lambda: split.sample(
+            bound.clone() if last else bound, enable_trace=True), TraceMismatch if last else SplitMismatch,
+         "logits" if last else other),
         ("prefill prompts differ", lambda: split.apply_prefill_state(
             sampling_params=params, prompt_tokens=torch.where(prompts >= 0, (prompts + int(last)) % vocab, prompts),
             empty_slots=[1, 3]),
@@ -174,7 +180,8 @@ def _split_generator_errors(ex):
     rng = torch.Generator().manual_seed(3)
     for step in range(3):
         logits = torch.randn(4, padded, generator=rng)
-        got = split.sample(logits[:, ex.rank * width:(ex.rank + 1) * width])
+        buffer.copy_(logits)
+        got = split.sample(bound, enable_trace=step == 1)
         want = whole.sample(logits)
         failures += dc.compare(f"rank {ex.rank} after errors step {step}", split.last_output, whole.last_output)
         assert torch.equal(got[0], want[0])

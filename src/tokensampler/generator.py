@@ -309,6 +309,9 @@ class SamplingGenerator:
             if stale:
                 raise StaleSamplingState("active_slots", stale, "slots rebuilt by apply_decode_state(reload_sampling_"
                                          "params=True, reset_sampling_state=True) after host sampling")
+            force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
+            if enable_trace and self._split is not None and force_argmax == self._force_argmax:  # a flip drops all
+                self.tracer.check(logits, force_argmax)
             return batch, active
 
         batch, active = self._agreed("sample", check, enable_trace)

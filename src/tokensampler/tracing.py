@@ -65,9 +65,12 @@ class StepTracer:
         """Drop every captured step."""
         self._traces.clear()
 
-    def step(self, logits: torch.Tensor, record: torch.Tensor, force_argmax: bool) -> SamplerOutput:
-        """Sample `logits` (row b = slot b) through the captured step of its key; `record` is the
-        bool [B] host mask of the rows to count."""
+    def check(self, logits: torch.Tensor, force_argmax: bool) -> None:
+        """Raise `TraceMismatch` where `step` would, changing nothing (a split generator checks
+        this before its ranks agree to step)."""
+        self._lookup(logits, force_argmax)
+
+    def _lookup(self, logits: torch.Tensor, force_argmax: bool) -> tuple[TraceKey, _Trace | None, list]:
         batch = logits.shape[0]
         rows = self.sampler.state.params[:batch]
         plan = plan_step(rows, self.sampler.vocab_size)
@@ -77,6 +80,12 @@ class StepTracer:
             raise TraceMismatch("logits", _tensor_id(logits)[:2],
                                 f"the tensor the step {key} was captured with (data_ptr, shape) "
                                 f"{trace.logits_id[:2]}: copy the new logits into it")
+        return key, trace, rows
+
+    def step(self, logits: torch.Tensor, record: torch.Tensor, force_argmax: bool) -> SamplerOutput:
+        """Sample `logits` (row b = slot b) through the captured step of its key; `record` is the
+        bool [B] host mask of the rows to count."""
+        key, trace, rows = self._lookup(logits, force_argmax)
         signature = tuple(rows)
         if trace is None or trace.signature != signature:
             trace = self._capture(logits, signature)
