@@ -15,6 +15,8 @@ several ranks) are removed. Every rank returns the same `SamplerOutput`, equal t
 The per-rank penalty state holds only the rank's ids (prompt mask, output counts, bias, allowed
 and stop ids translated to local ids). Admission all-gathers a hash of the request so ranks that
 disagree raise `SplitMismatch` before any state changes; an unseeded request takes rank 0's seed.
+The generator's slot-state updates (`set_params`, `set_noise`, `reset_history`, `record=`) agree
+the same way (`VocabSplit.agree`), then translate global ids to the slice.
 """
 
 from __future__ import annotations
