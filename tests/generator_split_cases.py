@@ -16,9 +16,9 @@ import random
 from typing import Any
 
 import torch
-
 from distributed_cases import compare
 from generator_engine import EOS, Engine
+
 from tokensampler.generator import SamplingGenerator, StaleSamplingState
 from tokensampler.output import SamplerOutput
 from tokensampler.params import SamplingParams
@@ -47,12 +47,12 @@ class SliceView:
 
 def random_params(r: random.Random, vocab: int, edges: list[int]) -> SamplingParams:
     """Random parameters; token-id fields use ids at rank edges (`edges`) and the last real id."""
-    kwargs: dict[str, Any] = dict(
-        temperature=r.choice([0.0, 0.0, 0.5, 1.0, 1.7]), top_k=r.choice([0, 0, 1, 3, 10]),
-        top_p=r.choice([1.0, 1.0, 0.5, 0.9]), min_p=r.choice([0.0, 0.0, 0.1]),
-        presence_penalty=r.choice([0.0, 0.0, 1.5, -0.5]), frequency_penalty=r.choice([0.0, 0.0, 0.8]),
-        repetition_penalty=r.choice([1.0, 1.0, 1.4, 0.7]),
-        seed=r.choice([None, r.randrange(-2**63, 2**64)]), logprobs=r.choice([None, None, 0, 2, 5]))
+    kwargs: dict[str, Any] = {
+        "temperature": r.choice([0.0, 0.0, 0.5, 1.0, 1.7]), "top_k": r.choice([0, 0, 1, 3, 10]),
+        "top_p": r.choice([1.0, 1.0, 0.5, 0.9]), "min_p": r.choice([0.0, 0.0, 0.1]),
+        "presence_penalty": r.choice([0.0, 0.0, 1.5, -0.5]), "frequency_penalty": r.choice([0.0, 0.0, 0.8]),
+        "repetition_penalty": r.choice([1.0, 1.0, 1.4, 0.7]),
+        "seed": r.choice([None, r.randrange(-2**63, 2**64)]), "logprobs": r.choice([None, None, 0, 2, 5])}
     if r.random() < 0.35:
         kwargs.update(min_tokens=r.randint(1, 3), stop_token_ids=(r.choice(edges), vocab - 1))
     if r.random() < 0.25:

@@ -34,7 +34,7 @@ def test_split_generator_equals_unsplit_generator_threads(world):
     (vocab, padded, mode), = gc.CONFIGS[world]
     seed = 40 + world
     results = dc.run_threads(world, lambda ex: gc.check_schedule(ex, ex.rank, world, vocab, padded, mode, seed, 45))
-    failures = sum((bad for bad, _, _ in results), [])
+    failures = [line for bad, _, _ in results for line in bad]
     assert not failures, "\n".join(failures[:10])
     tokens = [t for _, t, _ in results]
     assert all(t == tokens[0] for t in tokens) and len(tokens[0]) >= 20  # every rank, every device step
@@ -66,7 +66,7 @@ def test_split_slot_state_methods_equal_unsplit_and_keep_each_rank_slice():
 
     def drive(sampler: Sampler, rank: int, world_size: int):
         width = padded // world_size
-        part = lambda t: steps[t][:, rank * width:(rank + 1) * width]  # noqa: E731
+        part = lambda t: steps[t][:, rank * width:(rank + 1) * width]
         for slot, params in enumerate(first):
             sampler.add_request(slot, params, [0, 15, 16])
         outs = [sampler.sample(part(0), record=torch.tensor([True, False, True]))]
@@ -190,7 +190,7 @@ def _split_generator_errors(ex):
 
 
 def test_split_generator_errors_raise_on_every_rank_before_state_changes():
-    failures = sum(dc.run_threads(2, _split_generator_errors), [])
+    failures = [line for bad in dc.run_threads(2, _split_generator_errors) for line in bad]
     assert not failures, "\n".join(failures)
 
 

@@ -20,6 +20,7 @@ import torch
 
 from . import rng
 from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
+from .generator_inputs import check_slots, positions_by_slot, token_rows
 from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
 from .sampler import Sampler
@@ -139,7 +140,7 @@ class SamplingGenerator:
                 raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
                                             f"one lane per empty slot ({len(slots)})")
             requests = self._requests(format_sampling_params(batch, len(slots), vocab_size=self.vocab_size))
-            prompts = self._token_rows("prompt_tokens", prompt_tokens, len(slots))
+            prompts = token_rows("prompt_tokens", prompt_tokens, len(slots), self.vocab_size)
             lengths = (prompts >= 0).sum(dim=1).tolist()
             if max(lengths) >= POSITION_LIMIT:
                 raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
@@ -216,11 +217,11 @@ class SamplingGenerator:
             new_positions: dict[int, int] = {}
             if reset_sampling_state:
                 if prompt_tokens is not None:
-                    prompts = self._token_rows("prompt_tokens", prompt_tokens, n)
+                    prompts = token_rows("prompt_tokens", prompt_tokens, n, self.vocab_size)
                 if output_tokens is not None:
-                    outputs = self._token_rows("output_tokens", output_tokens, n)
+                    outputs = token_rows("output_tokens", output_tokens, n, self.vocab_size)
                 if positions is not None:
-                    new_positions = self._positions(positions, live)
+                    new_positions = positions_by_slot(positions, live, n)
                 if sampling_mode == "device" and prompts is None and live:
                     prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
                     if any(prompt_stale[s] for s in live):
@@ -392,13 +393,7 @@ class SamplingGenerator:
         return given
 
     def _check_slots(self, name: str, slots: Sequence[int]) -> list[int]:
-        slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-        for slot in slot_list:
-            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_lanes:
-                raise InvalidSamplingParams(name, slot, f"slots in [0, {self.num_lanes})")
-        if len(set(slot_list)) != len(slot_list):
-            raise InvalidSamplingParams(name, slot_list, "distinct slots")
-        return slot_list
+        return check_slots(name, slots, self.num_lanes)
 
     def _check_occupied(self, name: str, slots: Sequence[int]) -> list[int]:
         slot_list = self._check_slots(name, slots)
@@ -407,37 +402,9 @@ class SamplingGenerator:
                 raise InvalidSamplingParams(name, slot, "occupied slots (admitted by apply_prefill_state)")
         return slot_list
 
-    def _token_rows(self, name: str, value: Any, rows: int) -> torch.Tensor:
-        """`[rows, S]` int64 ids on the CPU, -1 = padding, each checked against the vocabulary."""
-        try:
-            ids = value.detach().to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise InvalidSamplingParams(name, type(value).__name__, f"a [{rows}, S] tensor of ids") from error
-        if ids.dim() != 2 or ids.shape[0] != rows or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise InvalidSamplingParams(name, tuple(ids.shape), f"an integer tensor [{rows}, S], -1 = padding")
-        ids = ids.to(torch.int64)
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.vocab_size):
-            bad = ids[(ids < -1) | (ids >= self.vocab_size)][0].item()
-            raise InvalidSamplingParams(name, bad, f"token ids in [0, {self.vocab_size}) or -1 (padding)")
-        return ids
-
-    def _positions(self, positions: Any, live: list[int]) -> dict[int, int]:
-        """slot -> new position for the occupied slots whose entry is not None."""
-        values = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
-        if len(values) != self.num_lanes:
-            raise InvalidSamplingParams("positions", f"{len(values)} entries", f"one per slot ({self.num_lanes})")
-        out = {}
-        for slot in live:
-            value = values[slot]
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < POSITION_LIMIT:
-                raise InvalidSamplingParams(f"positions[{slot}]", value, f"None or an int in [0, {POSITION_LIMIT})")
-            out[slot] = value
-        return out
-
     def _check_logits(self, logits: torch.Tensor) -> int:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= self.num_lanes:
-            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits), f"a tensor [B, "
-                                        f"{self.sampler.padded_vocab_size}] with 1 <= B <= {self.num_lanes}")
+            width = self.sampler.padded_vocab_size if self._split is None else self._split.width
+            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
+                                        f"a tensor [B, {width}] with 1 <= B <= {self.num_lanes}")
         return logits.shape[0]
