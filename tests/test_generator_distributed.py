@@ -194,17 +194,28 @@ def test_split_generator_errors_raise_on_every_rank_before_state_changes():
     assert not failures, "\n".join(failures)
 
 
-def test_unseeded_requests_share_rank_zeros_stream():
-    """Without a seed_source, every rank's generator draws the same seeds (rank 0's stream)."""
-    def run(ex):
-        gen = SamplingGenerator(40, max_batch_size=3, device="cpu", padded_vocab_size=40, group=ex)
-        seeds = gen.apply_prefill_state(sampling_params=BatchSamplingParams.from_requests([SamplingParams()] * 3),
-                                        prompt_tokens=[[1], [2], [3]], empty_slots=[0, 1, 2])
-        return seeds, gen.sample(torch.randn(3, 20, generator=torch.Generator().manual_seed(ex.rank)))[0].tolist()
+def test_unseeded_requests_share_rank_zeros_stream_and_batch_buckets_sample_the_first_lanes():
+    """Without a seed_source, every rank's generator draws the same seeds (rank 0's stream); the
+    tokens, also for a batch bucket smaller than the lanes, are an unsplit generator's with those seeds."""
+    vocab, padded, world = 40, 42, 3
+    params = BatchSamplingParams.from_requests([SamplingParams(top_k=5), SamplingParams(), SamplingParams(seed=4)])
+    rng = torch.Generator().manual_seed(6)
+    steps = [torch.randn(rows, padded, generator=rng) for rows in (4, 2, 3)]
 
-    (seeds0, tokens0), (seeds1, tokens1) = dc.run_threads(2, run)
-    assert seeds0 == seeds1 and len(set(seeds0)) == 3
-    assert tokens0 == tokens1
+    def drive(gen, rank, width):
+        seeds = gen.apply_prefill_state(sampling_params=params, prompt_tokens=[[1], [2], [39]], empty_slots=[0, 1, 3])
+        return seeds, [gen.sample(logits[:, rank * width:(rank + 1) * width])[0].tolist() for logits in steps]
+
+    results = dc.run_threads(world, lambda ex: drive(SamplingGenerator(vocab, max_batch_size=4, device="cpu",
+                                                                       padded_vocab_size=padded, group=ex),
+                                                     ex.rank, padded // world))
+    seeds = results[0][0]
+    assert all(r[0] == seeds for r in results) and len(set(seeds)) == 3 and seeds[2] == 4
+    drawn = iter(seeds[:2])
+    whole = SamplingGenerator(vocab, max_batch_size=4, device="cpu", padded_vocab_size=padded,
+                              seed_source=lambda: next(drawn))
+    assert drive(whole, 0, padded) == results[0]
+    assert all(r == results[0] for r in results)
 
 
 # ------------------------------------------------------------------ real gloo process groups

@@ -24,7 +24,7 @@ from .generator_inputs import check_slots, positions_by_slot, token_rows
 from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
 from .sampler import Sampler
-from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap, rank_local_slot_remap
+from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap, check_streams, rank_local_slot_remap
 from .tracing import StepTracer, TraceKey, TraceMismatch
 
 __all__ = ["BatchSamplingParams", "NEUTRAL_PARAMS", "SamplingGenerator", "SeedManager", "StaleSamplingState",
@@ -144,9 +144,7 @@ class SamplingGenerator:
             lengths = (prompts >= 0).sum(dim=1).tolist()
             if max(lengths) >= POSITION_LIMIT:
                 raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
-            if streams is not None:  # SeedManager.reset_seed checks them too; here so every rank agrees first
-                SeedManager(len(slots)).reset_seed([0] * len(slots), list(range(len(slots))), streams=streams)
-            return slots, requests, prompts, lengths, None if streams is None else list(streams)
+            return slots, requests, prompts, lengths, None if streams is None else check_streams(streams, len(slots))
 
         slots, requests, prompts, lengths, streams = self._agreed("apply_prefill_state", check)
         if not slots:
