@@ -194,6 +194,20 @@ def test_split_generator_errors_raise_on_every_rank_before_state_changes():
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.parametrize("differ", [{"max_batch_size": 3}, {"seed_source": gc.seeded_source(1)},
+                                    {"logprobs_mode": "raw_logits"}])
+def test_ranks_building_different_generators_raise_on_every_rank(differ):
+    """Ranks whose generators differ (lanes, seed source, modes) would run different collectives:
+    construction raises SplitMismatch on every rank first."""
+    def run(ex):
+        kwargs = {"max_batch_size": 2, **(differ if ex.rank == 1 else {})}
+        with pytest.raises(SplitMismatch) as err:
+            SamplingGenerator(20, padded_vocab_size=20, device="cpu", group=ex, **kwargs)
+        return err.value.field
+
+    assert dc.run_threads(2, run) == ["SamplingGenerator"] * 2
+
+
 def test_unseeded_requests_share_rank_zeros_stream_and_batch_buckets_sample_the_first_lanes():
     """Without a seed_source, every rank's generator draws the same seeds (rank 0's stream); the
     tokens, also for a batch bucket smaller than the lanes, are an unsplit generator's with those seeds."""

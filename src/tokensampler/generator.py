@@ -70,6 +70,10 @@ class SamplingGenerator:
         self.vocab_size = vocab_size
         self.device = self.sampler.device
         self._split = self.sampler._split  # the VocabSplit when the vocabulary is split, else None
+        if self._split is not None:  # the ranks agree on the layout before any lane is admitted
+            self._split.agree(None, "SamplingGenerator", (vocab_size, max_batch_size, sampling_dp,
+                                                          self.sampler.padded_vocab_size, logprobs_mode, max_logprobs,
+                                                          list(eos_token_ids), seed_source is None))
         if self._split is not None and seed_source is None:  # every rank draws the same seeds
             seed_source = functools.partial(random.Random(self._split.shared_random_bits()).getrandbits, 63)
         self.seed_manager = SeedManager(self.num_lanes, seed_source=seed_source)
