@@ -193,18 +193,36 @@ def test_split_generator_errors_raise_on_every_rank_before_state_changes():
     assert not failures, "\n".join(failures)
 
 
-@pytest.mark.parametrize("differ", [{"max_batch_size": 3}, {"seed_source": gc.seeded_source(1)},
-                                    {"logprobs_mode": "raw_logits"}])
-def test_ranks_building_different_generators_raise_on_every_rank(differ):
+@pytest.mark.parametrize(("differ", "field"), [({"max_batch_size": 3}, "Sampler"),
+                                               ({"sampling_dp": 2, "max_batch_size": 1}, "SamplingGenerator"),
+                                               ({"seed_source": gc.seeded_source(1)}, "SamplingGenerator"),
+                                               ({"logprobs_mode": "raw_logits"}, "Sampler")])
+def test_ranks_building_different_generators_raise_on_every_rank(differ, field):
     """Ranks whose generators differ (lanes, seed source, modes) would run different collectives:
-    construction raises SplitMismatch on every rank first."""
+    construction raises SplitMismatch on every rank first (the split Sampler's own agreement
+    catches what it holds, the generator's the rest)."""
     def run(ex):
         kwargs = {"max_batch_size": 2, **(differ if ex.rank == 1 else {})}
         with pytest.raises(SplitMismatch) as err:
             SamplingGenerator(20, padded_vocab_size=20, device="cpu", group=ex, **kwargs)
         return err.value.field
 
-    assert dc.run_threads(2, run) == ["SamplingGenerator"] * 2
+    assert dc.run_threads(2, run) == [field] * 2
+
+
+@pytest.mark.parametrize("differ", [{"max_slots": 3}, {"eos_token_ids": (2,)}, {"logprobs_mode": "raw_logits"},
+                                    {"padded_vocab_size": 21}])
+def test_ranks_building_different_split_samplers_raise_on_every_rank(differ):
+    """The split Sampler agrees on its construction arguments too (the rank whose own check fails,
+    here a padded width that is not a multiple of the group, raises that error)."""
+    def run(ex):
+        kwargs = {"max_slots": 2, "padded_vocab_size": 20, **(differ if ex.rank == 1 else {})}
+        with pytest.raises(InvalidSamplingParams) as err:
+            Sampler(20, group=ex, **kwargs)
+        return err.value.field
+
+    fields = dc.run_threads(2, run)
+    assert fields == (["group", "padded_vocab_size"] if "padded_vocab_size" in differ else ["Sampler"] * 2)
 
 
 def test_unseeded_requests_share_rank_zeros_stream_and_batch_buckets_sample_the_first_lanes():

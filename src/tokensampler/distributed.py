@@ -85,16 +85,19 @@ class VocabSplit:
 
     def __init__(self, sampler: Sampler, group: Any, *, top_p_pivots: int = DEFAULT_TOP_P_PIVOTS) -> None:
         self.exchange = as_exchange(group)
+        self.device = sampler.device
         world = self.exchange.world_size
         padded = sampler.padded_vocab_size
-        if padded % world:
-            raise InvalidSamplingParams("padded_vocab_size", padded, f"a multiple of the group size {world}")
+        error = None if padded % world == 0 else InvalidSamplingParams(
+            "padded_vocab_size", padded, f"a multiple of the group size {world}")
+        # every rank builds the same sampler, or every rank raises (one all-gather, before any state)
+        self.agree(error, "Sampler", (sampler.vocab_size, padded, sampler.max_slots, sampler.logprobs_mode,
+                                      sampler.max_logprobs, sampler.eos_token_ids, top_p_pivots))
         self.sampler = sampler
         self.vocab_size = sampler.vocab_size
         self.width = padded // world
         self.offset = self.exchange.rank * self.width
         self.real_width = max(0, min(self.width, self.vocab_size - self.offset))  # ids < V held here
-        self.device = sampler.device
         self.top_p_pivots = top_p_pivots
         self.top_p_rounds = sel.bisection_rounds(top_p_pivots)
         self.state = SamplerState(sampler.max_slots, self.width, self.device)
