@@ -667,23 +667,3 @@ def test_cuda_traced_steps_equal_eager_steps():
     gens[0].verify_device_state()
     assert gens[0].trace_captures == 1
 
-
-def test_a_vocabulary_split_is_refused_until_wired_through():
-    from tokensampler.distributed import Exchange
-
-    class Solo(Exchange):  # a world of one rank, no process group needed
-        world_size, rank = 1, 0
-
-        def _all_gather(self, tensor):
-            return tensor[None]
-
-    with pytest.raises(InvalidSamplingParams) as err:
-        SamplingGenerator(V, max_batch_size=2, device="cpu", group=Solo())
-    assert err.value.field == "group"
-    sampler = Sampler(V, max_slots=1, group=Solo())
-    sampler.add_request(0, SP(seed=1), [3])
-    for call in (lambda: sampler.set_params(0, SP()), lambda: sampler.set_noise([0], [1], [0], [0]),
-                 lambda: sampler.reset_history([0], None, None),
-                 lambda: sampler.sample(torch.zeros(1, V), record=torch.tensor([False]))):
-        with pytest.raises(InvalidSamplingParams):
-            call()
