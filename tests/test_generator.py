@@ -584,12 +584,12 @@ def test_reset_without_prompts_keeps_the_prompt_history():
 
 
 def test_readme_example_runs_and_keeps_requests_in_their_slots(capsys):
-    """The worked engine loop of docs/generator.md (the README section) runs as written."""
+    """The worked engine loop of the README runs as written."""
     from pathlib import Path
-    text = (Path(__file__).resolve().parents[1] / "docs" / "generator.md").read_text()
-    code = text.split("## README section", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = text.split("## Engines:", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
-    exec(compile(code, "docs/generator.md", "exec"), namespace)
+    exec(compile(code, "README.md", "exec"), namespace)
     gen, slots = namespace["gen"], namespace["slots"]
     assert "refused:" in capsys.readouterr().out
     for slot in (0, 1):
