@@ -26,13 +26,28 @@ from typing import Sequence
 
 import torch
 
-from .ops import filters, gumbel, logprobs, masking, penalties
-from .output import SamplerOutput
+from . import rng
+from .ops import fused, logprobs, masking, penalties
+from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab, check_token_ids
 from .reference import LOGPROBS_MODES
 from .state import SamplerState
 
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+BLOCK_ELEMENTS = 1 << 19  # elements per row block of the step's row-wise passes
+
+
+def _has_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
+    return [b for b, p in enumerate(rows) if pred(p)]
+
+
+def _blocks(positions: list[int], size: int) -> list[list[int]]:
+    """`positions` cut into consecutive blocks of at most `size`."""
+    return [positions[i:i + size] for i in range(0, len(positions), size)]
 
 
 @dataclass(frozen=True)
@@ -172,57 +187,96 @@ class Sampler:
         return out
 
     def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
+        """Steps 1-12 for every row; the sampled rows go through `ops.fused` in row blocks."""
         st = self.state
-        z = masking.prepare_logits(logits, self.vocab_size)
-        raw = masking.saturate_posinf(z.clone())
+        rows = [st.params[s] for s in index.tolist()]
+        z = masking.prepare_logits(logits, self.vocab_size)  # the one logits-sized float32 buffer
+        may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
+        raw_argmax = z.argmax(dim=-1) if may_empty else None  # NaN already -inf; +inf counts as max
         if plan.allowed_ids:
-            z = masking.remove_disallowed(z, st.allowed_mask[index])
+            masking.remove_disallowed(z, st.allowed_mask[index])
         if plan.min_tokens:
             below = st.output_len[index] < st.min_tokens[index]
-            z = masking.remove_stop_ids(z, st.stop_mask[index], below)
+            masking.remove_stop_ids(z, st.stop_mask[index], below)
         if plan.logit_bias:
-            z = z + st.logit_bias[index]
+            biased = _positions(rows, lambda p: bool(p.logit_bias))
+            z[biased] += st.logit_bias[index[biased]]
         if plan.penalties:
-            z = penalties.apply_penalties(z, st.prompt_mask[index], st.output_counts[index],
-                                          st.repetition[index], st.frequency[index], st.presence[index])
-        z = masking.saturate_posinf(z)
-        valid = ~torch.isneginf(z).all(dim=-1)
-        tokens = z.argmax(dim=-1)  # greedy rows; sampled rows are overwritten below
-        final = z
-        if plan.sampled_rows:
-            rows = torch.tensor(plan.sampled_rows, dtype=torch.int64, device=self.device)
-            zs = self._filter(z[rows], index[rows], plan)
-            slots = index[rows]
-            tokens[rows] = gumbel.gumbel_argmax(zs, st.seed[slots], st.position[slots], st.stream[slots])
-            if self.logprobs_mode.startswith("processed"):
-                final = z.clone()
-                final[rows] = zs
-        tokens = torch.where(valid, tokens, raw.argmax(dim=-1))
+            penalised = _positions(rows, _has_penalties)
+            for block in _blocks(penalised, self._block_rows):
+                slots = index[block]
+                z[block] = penalties.apply_penalties_(z[block], st.prompt_mask[slots], st.output_counts[slots],
+                                                      st.repetition[slots], st.frequency[slots], st.presence[slots])
+        z_max = z.amax(dim=-1)
+        if bool(torch.isposinf(z_max).any()):
+            z = masking.saturate_posinf(z)
+            z_max = z.amax(dim=-1)
+        valid = z_max > float("-inf")
+        valid_host = valid.tolist()
+        tokens = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
+        greedy = [b for b in plan.greedy_rows if valid_host[b]]
+        if greedy:
+            g = torch.tensor(greedy, dtype=torch.int64, device=z.device)
+            tokens[g] = z[g].argmax(dim=-1)
+        sampled = [b for b in plan.sampled_rows if valid_host[b]]
+        processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
+        for block in _blocks(sampled, self._block_rows):
+            tokens[block] = self._sample_block(z, z_max, index, rows, block, processed)
+        if raw_argmax is not None:
+            tokens = torch.where(valid, tokens, raw_argmax)
         out = SamplerOutput(tokens, valid, None)
         if plan.wants_logprobs:
-            scores = raw if self.logprobs_mode.startswith("raw") else final
-            out.logprobs = self._logprobs(scores, tokens, plan)
+            out.logprobs = self._logprobs(logits, z if processed else None, tokens, plan)
         return out
 
-    def _filter(self, z: torch.Tensor, slots: torch.Tensor, plan: StepPlan) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p on the sampled rows."""
-        st = self.state
-        z = masking.saturate_posinf(z / st.temperature[slots][:, None])
-        if plan.min_p:
-            z = filters.apply_min_p(z, st.min_p[slots])
-        if plan.top_k:
-            z = filters.apply_top_k(z, st.top_k[slots])
-        if plan.top_p:
-            z = filters.apply_top_p(z, st.top_p[slots])
-        return z
+    @property
+    def _block_rows(self) -> int:
+        """Rows per block of the row-wise passes: bounds their temporaries to ~BLOCK_ELEMENTS."""
+        return max(1, BLOCK_ELEMENTS // self.vocab_size)
 
-    def _logprobs(self, scores: torch.Tensor, tokens: torch.Tensor, plan: StepPlan):
-        values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
-        num = torch.tensor([max(n, 0) for n in plan.num_logprobs], dtype=torch.int64, device=self.device)
-        result = logprobs.gather_logprobs(scores, values, tokens, num, max(plan.logprobs_width, 0))
-        asked = torch.tensor([n >= 0 for n in plan.num_logprobs], dtype=torch.bool, device=self.device)
-        result.token_logprobs = result.token_logprobs.masked_fill(~asked, 0.0)
-        result.token_ranks = result.token_ranks.masked_fill(~asked, 0)
+    def _sample_block(self, z: torch.Tensor, z_max: torch.Tensor, index: torch.Tensor,
+                      rows: list[SamplingParams], block: list[int], processed: bool) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows `block`."""
+        st = self.state
+        contiguous = block == list(range(block[0], block[0] + len(block)))
+        zb = z[block[0]:block[-1] + 1] if contiguous else z[block]
+        params = [rows[b] for b in block]
+        slots = index[block]
+        cols = fused.RowColumns(
+            temperature=st.temperature[slots], min_p=st.min_p[slots], top_k=st.top_k[slots],
+            top_p=st.top_p[slots], keys=rng.row_key(st.seed[slots], st.position[slots], st.stream[slots]),
+            any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
+            any_top_p=any(p.top_p < 1.0 for p in params))
+        tokens, tau = fused.sample_rows(zb, z_max[block], cols, exact_threshold=processed)
+        if processed:  # step 12 reads the kept set: every other id at -inf
+            zb.masked_fill_(zb < tau[:, None], float("-inf"))
+            if not contiguous:
+                z[block] = zb
+        return tokens
+
+    def _logprobs(self, logits: torch.Tensor, final: torch.Tensor | None, tokens: torch.Tensor,
+                  plan: StepPlan) -> LogprobsOutput:
+        """Raw modes rebuild the raw scores from `logits` block by block; processed modes read `final`."""
+        batch = tokens.shape[0]
+        width = max(plan.logprobs_width, 0)
+        device = tokens.device
+        result = LogprobsOutput(torch.zeros(batch, dtype=torch.float32, device=device),
+                                torch.zeros(batch, dtype=torch.int64, device=device),
+                                torch.full((batch, width), -1, dtype=torch.int64, device=device),
+                                torch.full((batch, width), float("-inf"), dtype=torch.float32, device=device))
+        asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
+        for block in _blocks(asked, self._block_rows):
+            if final is None:
+                scores = masking.saturate_posinf(masking.prepare_logits(logits[block], self.vocab_size))
+            else:
+                scores = final[block]
+            values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
+            num = torch.tensor([plan.num_logprobs[b] for b in block], dtype=torch.int64, device=device)
+            part = logprobs.gather_logprobs(scores, values, tokens[block], num, width)
+            result.token_logprobs[block] = part.token_logprobs
+            result.token_ranks[block] = part.token_ranks
+            result.top_token_ids[block] = part.top_token_ids
+            result.top_logprobs[block] = part.top_logprobs
         return result
 
     # ---------------------------------------------------------------- checks

@@ -1,0 +1,115 @@
+"""Sort-free kept sets (steps 8-10) as one threshold per row: kept = {i : z_i >= tau, z_i > -inf}.
+
+min-p, top-k and top-p each keep a prefix of the ids ordered by post-temperature `z`, so their
+intersection is also a prefix and one float32 threshold per row describes it exactly:
+
+- min-p: tau = the smallest z with p = exp(z - z_max) >= min_p (float32, as the reference);
+- top-k: tau = the k-th largest z of the row (ties at the border stay);
+- top-p: over the ids kept so far, tau = the largest z value v whose mass of ids with z >= v
+  reaches top_p * total, where masses are float64 sums of the float32 p. It is found from a
+  sorted candidate list when the bound is reached inside it, else from a histogram of the masses
+  over value bins (one pass) and an exact scan of the single bin where the bound is crossed.
+
+`win_floor` gives the z below which an id cannot win the Gumbel argmax whatever its noise.
+Float64 masses are summed in a different order than the reference's; the sets can only differ
+when a mass lies within a float64 rounding of the bound (docs/cpu-fast-path.md).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import rng
+
+NEG_INF = float("-inf")
+POS_INF = float("inf")
+HISTOGRAM_BINS = 4096
+
+
+def relative_probs(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+    """p_i = exp(z_i - z_max) in float32 ([R, V], z_max [R])."""
+    return torch.exp(z - z_max[:, None])
+
+
+def min_p_threshold(z: torch.Tensor, z_max: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """The smallest z of the row with exp(z - z_max) >= min_p (float32 [R]); min_p 0 -> -inf."""
+    keep = relative_probs(z, z_max) >= min_p[:, None]
+    tau = torch.where(keep, z, POS_INF).amin(dim=-1)
+    return tau.masked_fill_(min_p <= 0, NEG_INF)
+
+
+def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tau, values, ids): the k-th largest z per row (-inf where k = 0 or k exceeds the finite
+    ids), and the k_max largest values and their ids (sorted descending) as a candidate list."""
+    vocab = z.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    values, ids = torch.topk(z, int(k.max()), dim=-1, sorted=True)
+    tau = values.gather(-1, (k - 1)[:, None]).squeeze(-1)
+    return tau.masked_fill_(top_k <= 0, NEG_INF), values, ids
+
+
+def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """float64 [R]: the sum of the float32 p over the ids with z >= tau."""
+    p = relative_probs(z, z_max)
+    p.masked_fill_(z < tau[:, None], 0.0)
+    return p.sum(dim=-1, dtype=torch.float64)
+
+
+def top_p_from_candidates(values: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
+                          bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """values: float32 [R, m], the m largest z of each row, descending; tau: the threshold so far;
+    bound: float64 [R] = top_p * kept mass. Returns (tau_p, found): the largest value whose mass of
+    ids with z >= it reaches the bound, and whether the bound was reached inside the list."""
+    p = torch.exp(values - z_max[:, None]).masked_fill_(values < tau[:, None], 0.0).to(torch.float64)
+    mass_ge = torch.cumsum(p, dim=-1)
+    found = mass_ge[:, -1] >= bound
+    position = (mass_ge < bound[:, None]).sum(dim=-1).clamp_(max=values.shape[-1] - 1)
+    return values.gather(-1, position[:, None]).squeeze(-1), found
+
+
+def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
+                       bound: torch.Tensor, bins: int = HISTOGRAM_BINS) -> torch.Tensor:
+    """tau_p for rows whose crossing point lies deep in the row: value bins between the row's
+    smallest kept z and z_max (a monotone map, so a bin holds a value interval), float64 masses per
+    bin in one pass, then an exact scan of the bin where the mass from the top reaches the bound."""
+    rows, vocab = z.shape
+    kept = (z >= tau[:, None]) & (z > NEG_INF)
+    low = torch.where(kept, z, POS_INF).amin(dim=-1)
+    span = z_max - low
+    scale = torch.where(span > 0, bins / span, torch.zeros_like(span))
+    index = ((z - low[:, None]) * scale[:, None]).floor_().clamp_(0, bins - 1).to(torch.int64)
+    index += (torch.arange(rows, device=z.device) * bins)[:, None]
+    p = relative_probs(z, z_max).masked_fill_(~kept, 0.0).to(torch.float64)
+    masses = torch.bincount(index.flatten(), weights=p.flatten(), minlength=rows * bins).view(rows, bins)
+    mass_from_bin = torch.flip(torch.cumsum(torch.flip(masses, [1]), dim=1), [1])  # bins >= j
+    crossing = ((mass_from_bin >= bound[:, None]).sum(dim=-1) - 1).clamp_(min=0)
+    above = torch.cat([mass_from_bin[:, 1:], torch.zeros_like(mass_from_bin[:, :1])], dim=1)
+    above = above.gather(-1, crossing[:, None]).squeeze(-1)
+    in_bin = kept & (index - (torch.arange(rows, device=z.device) * bins)[:, None] == crossing[:, None])
+    result = low.clone()
+    for r in range(rows):
+        values = z[r][in_bin[r]]
+        if values.numel() == 0:
+            continue
+        values = torch.sort(values, descending=True).values
+        mass_ge = above[r] + torch.cumsum(torch.exp(values - z_max[r]).to(torch.float64), dim=0)
+        position = int((mass_ge < bound[r]).sum().clamp(max=values.numel() - 1))
+        result[r] = values[position]
+    return result
+
+
+def win_floor(z_max: torch.Tensor) -> torch.Tensor:
+    """float32 [R]: a value L such that every id with z < L has fl(z + GUMBEL_MAX) <
+    fl(z_max + GUMBEL_MIN), so it loses to the best kept id whatever the noise (z_max is kept)."""
+    target = z_max + torch.tensor(rng.GUMBEL_MIN, dtype=torch.float32)
+    gmax = torch.tensor(rng.GUMBEL_MAX, dtype=torch.float32)
+    floor = target - gmax
+    floor = floor - (floor.abs() * 2.0**-20 + 2.0**-20)
+    for _ in range(64):  # step down until provably below: fl(floor + GUMBEL_MAX) < target
+        bad = (floor + gmax) >= target
+        if not bool(bad.any()):
+            break
+        floor = torch.where(bad, floor - (floor.abs() * 2.0**-16 + 2.0**-10), floor)
+    else:
+        floor = torch.full_like(floor, NEG_INF)
+    return floor.masked_fill_(torch.isneginf(z_max), NEG_INF)
