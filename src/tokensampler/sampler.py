@@ -125,6 +125,7 @@ class Sampler:
         self.max_logprobs = max_logprobs
         self.eos_token_ids = tuple(eos_token_ids)
         self.state = SamplerState(max_slots, vocab_size, self.device)
+        self._z_workspace: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -187,97 +188,119 @@ class Sampler:
         return out
 
     def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
-        """Steps 1-12 for every row; the sampled rows go through `ops.fused` in row blocks."""
-        st = self.state
-        rows = [st.params[s] for s in index.tolist()]
-        z = masking.prepare_logits(logits, self.vocab_size)  # the one logits-sized float32 buffer
-        may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
-        raw_argmax = z.argmax(dim=-1) if may_empty else None  # NaN already -inf; +inf counts as max
-        if plan.allowed_ids:
-            masking.remove_disallowed(z, st.allowed_mask[index])
-        if plan.min_tokens:
-            below = st.output_len[index] < st.min_tokens[index]
-            masking.remove_stop_ids(z, st.stop_mask[index], below)
-        if plan.logit_bias:
-            biased = _positions(rows, lambda p: bool(p.logit_bias))
-            z[biased] += st.logit_bias[index[biased]]
-        if plan.penalties:
-            penalised = _positions(rows, _has_penalties)
-            for block in _blocks(penalised, self._block_rows):
-                slots = index[block]
-                z[block] = penalties.apply_penalties_(z[block], st.prompt_mask[slots], st.output_counts[slots],
-                                                      st.repetition[slots], st.frequency[slots], st.presence[slots])
-        z_max = z.amax(dim=-1)
-        if bool(torch.isposinf(z_max).any()):
-            z = masking.saturate_posinf(z)
-            z_max = z.amax(dim=-1)
-        valid = z_max > float("-inf")
-        valid_host = valid.tolist()
-        tokens = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
-        greedy = [b for b in plan.greedy_rows if valid_host[b]]
-        if greedy:
-            g = torch.tensor(greedy, dtype=torch.int64, device=z.device)
-            tokens[g] = z[g].argmax(dim=-1)
-        sampled = [b for b in plan.sampled_rows if valid_host[b]]
-        processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
-        for block in _blocks(sampled, self._block_rows):
-            tokens[block] = self._sample_block(z, z_max, index, rows, block, processed)
-        if raw_argmax is not None:
-            tokens = torch.where(valid, tokens, raw_argmax)
-        out = SamplerOutput(tokens, valid, None)
+        """Steps 1-12, one block of consecutive rows at a time (cache-sized: every pass over a block
+        runs from cache, and no buffer of the logits' size is ever allocated)."""
+        batch = logits.shape[0]
+        device = logits.device
+        rows = [self.state.params[s] for s in index.tolist()]
+        tokens = torch.zeros(batch, dtype=torch.int64, device=device)
+        valid = torch.ones(batch, dtype=torch.bool, device=device)
+        result = None
         if plan.wants_logprobs:
-            out.logprobs = self._logprobs(logits, z if processed else None, tokens, plan)
-        return out
+            width = max(plan.logprobs_width, 0)
+            result = LogprobsOutput(torch.zeros(batch, dtype=torch.float32, device=device),
+                                    torch.zeros(batch, dtype=torch.int64, device=device),
+                                    torch.full((batch, width), -1, dtype=torch.int64, device=device),
+                                    torch.full((batch, width), float("-inf"), dtype=torch.float32, device=device))
+        size = self._block_rows
+        for start in range(0, batch, size):
+            stop = min(batch, start + size)
+            self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result)
+        return SamplerOutput(tokens, valid, result)
 
     @property
     def _block_rows(self) -> int:
-        """Rows per block of the row-wise passes: bounds their temporaries to ~BLOCK_ELEMENTS."""
+        """Rows per block: about BLOCK_ELEMENTS logits."""
         return max(1, BLOCK_ELEMENTS // self.vocab_size)
 
-    def _sample_block(self, z: torch.Tensor, z_max: torch.Tensor, index: torch.Tensor,
-                      rows: list[SamplingParams], block: list[int], processed: bool) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows `block`."""
+    def _workspace(self, num_rows: int) -> torch.Tensor:
+        """The block's float32 `z`, reused from step to step (no allocation on the fast path)."""
+        if self._z_workspace is None or self._z_workspace.shape[0] < num_rows:
+            self._z_workspace = torch.empty((num_rows, self.vocab_size), dtype=torch.float32, device=self.device)
+        return self._z_workspace[:num_rows]
+
+    def _run_block(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
+                   plan: StepPlan, start: int, stop: int, tokens: torch.Tensor, valid: torch.Tensor,
+                   result: LogprobsOutput | None) -> None:
         st = self.state
-        contiguous = block == list(range(block[0], block[0] + len(block)))
-        zb = z[block[0]:block[-1] + 1] if contiguous else z[block]
-        params = [rows[b] for b in block]
-        slots = index[block]
+        block_params = rows[start:stop]
+        slots = index[start:stop]
+        z = masking.prepare_logits_into(self._workspace(stop - start), logits[start:stop])
+        may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
+        raw_argmax = z.argmax(dim=-1) if may_empty else None  # NaN already -inf; +inf counts as max
+        if any(p.allowed_token_ids is not None for p in block_params):
+            masking.remove_disallowed(z, st.allowed_mask[slots])
+        if any(p.min_tokens > 0 for p in block_params) and st.stop_mask is not None:
+            masking.remove_stop_ids(z, st.stop_mask[slots], st.output_len[slots] < st.min_tokens[slots])
+        biased = _positions(block_params, lambda p: bool(p.logit_bias))
+        if biased:
+            z[biased] += st.logit_bias[slots[biased]]
+        penalised = _positions(block_params, _has_penalties)
+        if penalised:
+            pslots = slots[penalised]
+            z[penalised] = penalties.apply_penalties_(z[penalised], st.prompt_mask[pslots], st.output_counts[pslots],
+                                                      st.repetition[pslots], st.frequency[pslots],
+                                                      st.presence[pslots])
+        z_max = z.amax(dim=-1)
+        if bool(torch.isposinf(z_max).any()):
+            masking.saturate_posinf(z)
+            z_max = z.amax(dim=-1)
+        block_valid = z_max > float("-inf")
+        valid_host = block_valid.tolist()
+        block_tokens = torch.zeros(stop - start, dtype=torch.int64, device=z.device)
+        greedy = [b for b, p in enumerate(block_params) if p.greedy and valid_host[b]]
+        if greedy:
+            block_tokens[greedy] = z[greedy].argmax(dim=-1)
+        sampled = [b for b, p in enumerate(block_params) if not p.greedy and valid_host[b]]
+        processed = self.logprobs_mode.startswith("processed") and result is not None
+        if sampled:
+            block_tokens[sampled] = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
+        if raw_argmax is not None:
+            block_tokens = torch.where(block_valid, block_tokens, raw_argmax)
+        tokens[start:stop] = block_tokens
+        valid[start:stop] = block_valid
+        if result is not None:
+            self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, result)
+
+    def _sample_rows(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
+                     block_params: list[SamplingParams], sampled: list[int], processed: bool) -> torch.Tensor:
+        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block."""
+        st = self.state
+        everyone = len(sampled) == z.shape[0]
+        zs = z if everyone else z[sampled]
+        params = [block_params[b] for b in sampled]
+        s = slots if everyone else slots[sampled]
         cols = fused.RowColumns(
-            temperature=st.temperature[slots], min_p=st.min_p[slots], top_k=st.top_k[slots],
-            top_p=st.top_p[slots], keys=rng.row_key(st.seed[slots], st.position[slots], st.stream[slots]),
+            temperature=st.temperature[s], min_p=st.min_p[s], top_k=st.top_k[s], top_p=st.top_p[s],
+            keys=rng.row_key(st.seed[s], st.position[s], st.stream[s]),
             any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params))
-        tokens, tau = fused.sample_rows(zb, z_max[block], cols, exact_threshold=processed)
+        tokens, tau = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed)
         if processed:  # step 12 reads the kept set: every other id at -inf
-            zb.masked_fill_(zb < tau[:, None], float("-inf"))
-            if not contiguous:
-                z[block] = zb
+            zs.masked_fill_(zs < tau[:, None], float("-inf"))
+            if not everyone:
+                z[sampled] = zs
         return tokens
 
     def _logprobs(self, logits: torch.Tensor, final: torch.Tensor | None, tokens: torch.Tensor,
-                  plan: StepPlan) -> LogprobsOutput:
-        """Raw modes rebuild the raw scores from `logits` block by block; processed modes read `final`."""
-        batch = tokens.shape[0]
-        width = max(plan.logprobs_width, 0)
-        device = tokens.device
-        result = LogprobsOutput(torch.zeros(batch, dtype=torch.float32, device=device),
-                                torch.zeros(batch, dtype=torch.int64, device=device),
-                                torch.full((batch, width), -1, dtype=torch.int64, device=device),
-                                torch.full((batch, width), float("-inf"), dtype=torch.float32, device=device))
-        asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
-        for block in _blocks(asked, self._block_rows):
-            if final is None:
-                scores = masking.saturate_posinf(masking.prepare_logits(logits[block], self.vocab_size))
-            else:
-                scores = final[block]
-            values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
-            num = torch.tensor([plan.num_logprobs[b] for b in block], dtype=torch.int64, device=device)
-            part = logprobs.gather_logprobs(scores, values, tokens[block], num, width)
-            result.token_logprobs[block] = part.token_logprobs
-            result.token_ranks[block] = part.token_ranks
-            result.top_token_ids[block] = part.top_token_ids
-            result.top_logprobs[block] = part.top_logprobs
-        return result
+                  plan: StepPlan, start: int, stop: int, result: LogprobsOutput) -> None:
+        """Step 2/12 for the rows [start, stop) that asked: raw modes rebuild the raw scores from
+        `logits`, processed modes read the block's final `z`."""
+        asked = [b for b in range(stop - start) if plan.num_logprobs[start + b] >= 0]
+        if not asked:
+            return
+        if final is None:
+            scores = masking.saturate_posinf(masking.prepare_logits(logits[start:stop][asked], self.vocab_size))
+        else:
+            scores = final[asked]
+        values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
+        num = torch.tensor([plan.num_logprobs[start + b] for b in asked], dtype=torch.int64, device=tokens.device)
+        part = logprobs.gather_logprobs(scores, values, tokens[asked], num, result.top_token_ids.shape[1])
+        where = [start + b for b in asked]
+        result.token_logprobs[where] = part.token_logprobs
+        result.token_ranks[where] = part.token_ranks
+        result.top_token_ids[where] = part.top_token_ids
+        result.top_logprobs[where] = part.top_logprobs
 
     # ---------------------------------------------------------------- checks
     def _check_slot(self, slot: int) -> None:

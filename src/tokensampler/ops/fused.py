@@ -1,15 +1,16 @@
 """Steps 7-11 for a block of sampled rows without sorting the vocabulary.
 
-`sample_rows` divides the rows by their temperature in place, finds each row's kept threshold
-(`ops.select`), and draws the Gumbel argmax over the kept ids that can still win:
+`sample_rows` divides the rows by their temperature in place, then:
 
-- rows whose winnable kept ids are few (the usual case: LLM logits are peaked) get a candidate
-  list from one `topk` of that size, on which top-p and the noise are computed;
-- rows with many winnable ids (flat logits) get top-p from a histogram pass and the noise from
-  a dense blocked pass (`gumbel_argmax_dense`).
+1. `lower` = the z below which no id can win the Gumbel argmax (`select.win_floor`);
+2. the ids with z >= lower are gathered once (usually a few thousand: LLM logits are peaked) and
+   sorted; min-p, top-k and top-p thresholds come from this list wherever it provably holds them,
+   else from full-row passes (`select`), and the noise is computed on the list only;
+3. rows with too many winnable ids (flat logits) take the dense route: top-p by histogram, noise
+   by the blocked pass of `gumbel_argmax_dense`.
 
-Every step reproduces the reference's float32/float64 operations on the same values, so the
-token is the definition's.
+Every value compared is computed by the same float32/float64 operations as the reference on the
+same inputs, so the token is the definition's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from . import gumbel, select
 
 NEG_INF = float("-inf")
-CANDIDATE_CAP = 8192  # largest candidate list gathered by topk before the dense route is used
+CANDIDATE_CAP = 16384  # largest candidate list per row before the dense route is used
 
 
 @dataclass
@@ -53,34 +54,65 @@ def apply_temperature(z: torch.Tensor, z_max: torch.Tensor, temperature: torch.T
 
 
 def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact_threshold: bool,
-                candidate_cap: int = CANDIDATE_CAP) -> tuple[torch.Tensor, torch.Tensor]:
-    """z: float32 [R, V] after penalties (every row has a finite or +inf max z_max [R]); modified in
+                candidate_cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """z: float32 [R, V] after penalties (each row with a finite or +inf max `z_max`); modified in
     place to z / T. Returns (tokens int64 [R], tau float32 [R]). With `exact_threshold` tau is the
     exact kept threshold (kept = z >= tau, finite), as processed logprobs need; otherwise tau may
-    be lower than it where the difference cannot change the token."""
+    differ from it only below the winnable floor, where it cannot change the token."""
+    cap = CANDIDATE_CAP if candidate_cap is None else candidate_cap
     z_max = apply_temperature(z, z_max, cols.temperature)
+    lower = select.win_floor(z_max)
+    listed = select.gather_candidates(z, lower, cap)
+    if listed is None:
+        return _dense_route(z, z_max, lower, cols)
+    values, ids, count = listed
+    smallest = values.gather(-1, (count - 1).clamp(min=0)[:, None]).squeeze(-1)
+    top_p_rows = cols.top_p < 1.0
+    need_exact = top_p_rows | exact_threshold  # top-p's total mass needs the exact tau below it
+    tau = torch.full_like(z_max, NEG_INF)
+    if cols.any_min_p:
+        p = torch.exp(values - z_max[:, None])
+        tau_list = torch.where(p >= cols.min_p[:, None], values, float("inf")).amin(dim=-1)
+        # if the smallest listed id passes, the threshold may lie below the list
+        beyond = (cols.min_p > 0) & (tau_list <= smallest) & need_exact
+        if bool(beyond.any()):
+            tau_list = torch.where(beyond, select.min_p_threshold(z, z_max, cols.min_p), tau_list)
+        tau = torch.maximum(tau, tau_list.masked_fill_(cols.min_p <= 0, NEG_INF))
+    if cols.any_top_k:
+        k = cols.top_k
+        inside = k <= count
+        tau_list = values.gather(-1, (k - 1).clamp(min=0, max=values.shape[-1] - 1)[:, None]).squeeze(-1)
+        tau_list = torch.where(inside, tau_list, NEG_INF)
+        beyond = (k > 0) & ~inside & need_exact
+        if bool(beyond.any()):
+            tau_list = torch.where(beyond, select.top_k_threshold(z, k)[0], tau_list)
+        tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
+    if cols.any_top_p:
+        total = torch.where(values >= tau[:, None], torch.exp(values - z_max[:, None]), 0.0).sum(
+            dim=-1, dtype=torch.float64)
+        full_row = tau < lower  # kept ids below the list: the total needs the whole row
+        if bool((full_row & top_p_rows).any()):
+            total = torch.where(full_row, select.kept_mass(z, z_max, tau), total)
+        bound = cols.top_p * total
+        tau_p, found = select.top_p_from_candidates(values, z_max, tau, bound)
+        tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
+        if exact_threshold:
+            tau = _histogram_rows(z, z_max, tau, bound, top_p_rows & ~found)
+    noisy = values.masked_fill(values < tau[:, None], NEG_INF)
+    return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
+
+
+def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
+                 cols: RowColumns) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thresholds by full-row passes and the noise over the whole row (flat logits)."""
     tau = torch.full_like(z_max, NEG_INF)
     if cols.any_min_p:
         tau = torch.maximum(tau, select.min_p_threshold(z, z_max, cols.min_p))
     if cols.any_top_k:
         tau = torch.maximum(tau, select.top_k_threshold(z, cols.top_k)[0])
-    lower = torch.maximum(tau, select.win_floor(z_max))
-    bound = None
-    top_p_rows = cols.top_p < 1.0
     if cols.any_top_p:
         bound = cols.top_p * select.kept_mass(z, z_max, tau)
-    width = int((z >= lower[:, None]).sum(dim=-1).max())
-    if width <= candidate_cap:
-        values, ids = torch.topk(z, max(width, 1), dim=-1, sorted=True)
-        if bound is not None:
-            tau_p, found = select.top_p_from_candidates(values, z_max, tau, bound)
-            tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
-            if exact_threshold:
-                tau = _histogram_rows(z, z_max, tau, bound, top_p_rows & ~found)
-        values = values.masked_fill(values < torch.maximum(tau, lower)[:, None], NEG_INF)
-        return gumbel.gumbel_argmax_candidates(values, ids, cols.keys), tau
-    if bound is not None:
-        tau = _histogram_rows(z, z_max, tau, bound, top_p_rows)
+        tau = _histogram_rows(z, z_max, tau, bound, cols.top_p < 1.0)
     return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
 
 

@@ -13,6 +13,12 @@ def prepare_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return z.masked_fill_(torch.isnan(z), NEG_INF)
 
 
+def prepare_logits_into(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`prepare_logits` written into `out` (float32 [B, V]): no allocation, one in-place NaN pass."""
+    out.copy_(logits[:, :out.shape[1]])
+    return out.nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+
+
 def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
     """Rows holding +inf keep only their +inf ids, at value 0 (the limit of softmax); in place."""
     has_posinf = z.amax(dim=-1, keepdim=True) == float("inf")

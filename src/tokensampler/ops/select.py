@@ -48,6 +48,27 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
     return tau.masked_fill_(top_k <= 0, NEG_INF), values, ids
 
 
+def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Every id with z >= lower[r], as (values, ids) [R, W] sorted by value descending (padded with
+    -inf / id 0) and the count per row; None if a row has more than `cap` (no sort of the row:
+    one compare, one compaction, a sort of the W candidates)."""
+    mask = z >= lower[:, None]
+    count = mask.sum(dim=-1)
+    width = int(count.max()) if count.numel() else 0
+    if width > cap:
+        return None
+    rows, cols = torch.nonzero(mask, as_tuple=True)
+    start = torch.cumsum(count, dim=0) - count
+    slot = torch.arange(rows.numel(), device=z.device) - start[rows]
+    values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
+    ids = torch.zeros((z.shape[0], max(width, 1)), dtype=torch.int64, device=z.device)
+    values[rows, slot] = z[rows, cols]
+    ids[rows, slot] = cols
+    values, order = torch.sort(values, dim=-1, descending=True)
+    return values, ids.gather(-1, order), count
+
+
 def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """float64 [R]: the sum of the float32 p over the ids with z >= tau."""
     p = relative_probs(z, z_max)
@@ -77,7 +98,8 @@ def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
     low = torch.where(kept, z, POS_INF).amin(dim=-1)
     span = z_max - low
     scale = torch.where(span > 0, bins / span, torch.zeros_like(span))
-    index = ((z - low[:, None]) * scale[:, None]).floor_().clamp_(0, bins - 1).to(torch.int64)
+    offset = (z - low[:, None]).masked_fill_(~kept, 0.0)  # removed ids: bin 0, weight 0
+    index = (offset * scale[:, None]).floor_().clamp_(0, bins - 1).to(torch.int64)
     index += (torch.arange(rows, device=z.device) * bins)[:, None]
     p = relative_probs(z, z_max).masked_fill_(~kept, 0.0).to(torch.float64)
     masses = torch.bincount(index.flatten(), weights=p.flatten(), minlength=rows * bins).view(rows, bins)
