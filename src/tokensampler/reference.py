@@ -165,7 +165,7 @@ def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest],
     asked = [req.params.logprobs for req in requests if req.params.logprobs is not None]
     if not asked:
         return SamplerOutput(tokens, valid, None)
-    width = max(vocab if n == -1 else n for n in asked)
+    width = max(vocab if n == -1 else min(n, vocab) for n in asked)
     batch = len(requests)
     token_lp = torch.zeros(batch, dtype=torch.float32)
     ranks = torch.zeros(batch, dtype=torch.int64)
@@ -176,7 +176,7 @@ def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest],
             continue
         token_lp[b] = values[token]
         ranks[b] = int((order_key >= order_key[token]).sum())
-        n = vocab if req.params.logprobs == -1 else req.params.logprobs
+        n = vocab if req.params.logprobs == -1 else min(req.params.logprobs, vocab)
         ids = _top_n(order_key, n)
         top_ids[b, :n] = ids
         top_lp[b, :n] = values[ids]

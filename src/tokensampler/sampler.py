@@ -74,7 +74,8 @@ class StepPlan:
 def plan_step(rows: Sequence[SamplingParams], vocab_size: int) -> StepPlan:
     """The step plan for rows with these parameters (no device access)."""
     sampled = [b for b, p in enumerate(rows) if not p.greedy]
-    num_logprobs = [-1 if p.logprobs is None else (vocab_size if p.logprobs == -1 else p.logprobs) for p in rows]
+    num_logprobs = [-1 if p.logprobs is None else (vocab_size if p.logprobs == -1 else min(p.logprobs, vocab_size))
+                    for p in rows]
     return StepPlan(
         greedy_rows=[b for b, p in enumerate(rows) if p.greedy],
         sampled_rows=sampled,
