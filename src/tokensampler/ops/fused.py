@@ -76,7 +76,9 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         # if the smallest listed id passes, the threshold may lie below the list
         beyond = (cols.min_p > 0) & (tau_list <= smallest) & need_exact
         if bool(beyond.any()):
-            tau_list = torch.where(beyond, select.min_p_threshold(z, z_max, cols.min_p), tau_list)
+            rows = beyond.nonzero().squeeze(-1)
+            tau_list = tau_list.index_put((rows,), _on_rows(select.min_p_threshold, z, rows, z_max[rows],
+                                                            cols.min_p[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(cols.min_p <= 0, NEG_INF))
     if cols.any_top_k:
         k = cols.top_k
@@ -85,14 +87,17 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         tau_list = torch.where(inside, tau_list, NEG_INF)
         beyond = (k > 0) & ~inside & need_exact
         if bool(beyond.any()):
-            tau_list = torch.where(beyond, select.top_k_threshold(z, k)[0], tau_list)
+            rows = beyond.nonzero().squeeze(-1)
+            tau_list = tau_list.index_put((rows,), _on_rows(lambda zr, kr: select.top_k_threshold(zr, kr)[0],
+                                                            z, rows, k[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
         total = torch.where(values >= tau[:, None], torch.exp(values - z_max[:, None]), 0.0).sum(
             dim=-1, dtype=torch.float64)
-        full_row = tau < lower  # kept ids below the list: the total needs the whole row
-        if bool((full_row & top_p_rows).any()):
-            total = torch.where(full_row, select.kept_mass(z, z_max, tau), total)
+        full_row = (tau < lower) & top_p_rows  # kept ids below the list: the total needs the whole row
+        if bool(full_row.any()):
+            rows = full_row.nonzero().squeeze(-1)
+            total = total.index_put((rows,), _on_rows(select.kept_mass, z, rows, z_max[rows], tau[rows]))
         bound = cols.top_p * total
         tau_p, found = select.top_p_from_candidates(values, z_max, tau, bound)
         tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
@@ -100,6 +105,13 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
             tau = _histogram_rows(z, z_max, tau, bound, top_p_rows & ~found)
     noisy = values.masked_fill(values < tau[:, None], NEG_INF)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
+
+
+def _on_rows(fn, z: torch.Tensor, rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+    """fn on the rows `rows` of z only (all of them without a copy when that is every row)."""
+    if rows.numel() == z.shape[0]:
+        return fn(z, *args)
+    return fn(z[rows], *args)
 
 
 def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,

@@ -53,12 +53,11 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int
     """Every id with z >= lower[r], as (values, ids) [R, W] sorted by value descending (padded with
     -inf / id 0) and the count per row; None if a row has more than `cap` (no sort of the row:
     one compare, one compaction, a sort of the W candidates)."""
-    mask = z >= lower[:, None]
-    count = mask.sum(dim=-1)
+    rows, cols = torch.nonzero(z >= lower[:, None], as_tuple=True)
+    count = torch.bincount(rows, minlength=z.shape[0])
     width = int(count.max()) if count.numel() else 0
     if width > cap:
         return None
-    rows, cols = torch.nonzero(mask, as_tuple=True)
     start = torch.cumsum(count, dim=0) - count
     slot = torch.arange(rows.numel(), device=z.device) - start[rows]
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
@@ -71,8 +70,9 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int
 
 def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
     """float64 [R]: the sum of the float32 p over the ids with z >= tau."""
-    p = relative_probs(z, z_max)
-    p.masked_fill_(z < tau[:, None], 0.0)
+    p = (z - z_max[:, None]).exp_()
+    if not bool(torch.isneginf(tau).all()):
+        p.masked_fill_(z < tau[:, None], 0.0)
     return p.sum(dim=-1, dtype=torch.float64)
 
 
@@ -89,10 +89,11 @@ def top_p_from_candidates(values: torch.Tensor, z_max: torch.Tensor, tau: torch.
 
 
 def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
-                       bound: torch.Tensor, bins: int = HISTOGRAM_BINS) -> torch.Tensor:
+                       bound: torch.Tensor, bins: int | None = None) -> torch.Tensor:
     """tau_p for rows whose crossing point lies deep in the row: value bins between the row's
     smallest kept z and z_max (a monotone map, so a bin holds a value interval), float64 masses per
     bin in one pass, then an exact scan of the bin where the mass from the top reaches the bound."""
+    bins = HISTOGRAM_BINS if bins is None else bins
     rows, vocab = z.shape
     kept = (z >= tau[:, None]) & (z > NEG_INF)
     low = torch.where(kept, z, POS_INF).amin(dim=-1)
@@ -128,7 +129,7 @@ def win_floor(z_max: torch.Tensor) -> torch.Tensor:
     floor = target - gmax
     floor = floor - (floor.abs() * 2.0**-20 + 2.0**-20)
     for _ in range(64):  # step down until provably below: fl(floor + GUMBEL_MAX) < target
-        bad = (floor + gmax) >= target
+        bad = ((floor + gmax) >= target) & torch.isfinite(target)
         if not bool(bad.any()):
             break
         floor = torch.where(bad, floor - (floor.abs() * 2.0**-16 + 2.0**-10), floor)
