@@ -238,10 +238,9 @@ class Sampler:
             z[biased] += st.logit_bias[slots[biased]]
         penalised = _positions(block_params, _has_penalties)
         if penalised:
-            pslots = slots[penalised]
-            z[penalised] = penalties.apply_penalties_(z[penalised], st.prompt_mask[pslots], st.output_counts[pslots],
-                                                      st.repetition[pslots], st.frequency[pslots],
-                                                      st.presence[pslots])
+            slot_list = slots.tolist()
+            penalties.apply_penalties_rows_(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
+                                            st.output_counts, st.repetition, st.frequency, st.presence)
         z_max = z.amax(dim=-1)
         if bool(torch.isposinf(z_max).any()):
             masking.saturate_posinf(z)

@@ -62,6 +62,10 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     cap = CANDIDATE_CAP if candidate_cap is None else candidate_cap
     z_max = apply_temperature(z, z_max, cols.temperature)
     lower = select.win_floor(z_max)
+    if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
+        lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
+    if cols.any_top_k:  # the exact k-th value: the list is then the top-k set (with its ties)
+        lower = torch.maximum(lower, select.top_k_threshold(z, cols.top_k)[0])
     listed = select.gather_candidates(z, lower, cap)
     if listed is None:
         return _dense_route(z, z_max, lower, cols)

@@ -26,3 +26,24 @@ def apply_penalties_(z: torch.Tensor, prompt_mask: torch.Tensor, output_counts: 
     del penalised
     z.sub_(frequency[:, None] * output_counts.to(torch.float32))
     return z.sub_(presence[:, None] * seen_out.to(torch.float32))
+
+
+def apply_penalties_rows_(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mask: torch.Tensor,
+                          output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                          presence: torch.Tensor) -> torch.Tensor:
+    """`apply_penalties` in place on the rows `rows` of `z`, reading the state of `slots` directly,
+    and only at the ids the slot has seen (prompt or output): elsewhere the penalties subtract a
+    zero, which leaves every value unchanged (up to the sign of a zero). repetition, frequency,
+    presence: float32 [S] state columns."""
+    for row, slot in zip(rows, slots):
+        counts_row = output_counts[slot]
+        ids = torch.nonzero(prompt_mask[slot] | (counts_row > 0)).squeeze(-1)
+        if ids.numel() == 0:
+            continue
+        values = z[row, ids]
+        counts = counts_row[ids]
+        r = repetition[slot]
+        values = torch.where(values > 0, values / r, values * r)
+        values = values - frequency[slot] * counts.to(torch.float32)
+        z[row, ids] = values - presence[slot] * (counts > 0).to(torch.float32)
+    return z

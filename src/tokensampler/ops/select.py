@@ -38,6 +38,15 @@ def min_p_threshold(z: torch.Tensor, z_max: torch.Tensor, min_p: torch.Tensor) -
     return tau.masked_fill_(min_p <= 0, NEG_INF)
 
 
+def min_p_floor(z_max: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """float32 [R]: a value below every z with fl(exp(fl(z - z_max))) >= min_p (min_p 0 -> -inf).
+    log(min_p) with a safety of 1e-3 plus a relative 2^-16: far more than exp's and the
+    subtraction's rounding, so no kept id is below it."""
+    log_min_p = torch.log(min_p.to(torch.float64))
+    bound = z_max.to(torch.float64) + log_min_p - 1e-3 - z_max.abs().to(torch.float64) * 2.0**-16
+    return bound.to(torch.float32).masked_fill_(min_p <= 0, NEG_INF)
+
+
 def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tau, values, ids): the k-th largest z per row (-inf where k = 0 or k exceeds the finite
     ids), and the k_max largest values and their ids (sorted descending) as a candidate list."""
