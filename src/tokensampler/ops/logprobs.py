@@ -19,8 +19,8 @@ NEG_INF = float("-inf")
 def log_softmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """log_softmax per row; a row with every id at -inf stays at -inf (instead of NaN)."""
     values = torch.log_softmax(scores, dim=-1)
-    all_removed = torch.isneginf(scores).all(dim=-1, keepdim=True)
-    return values.masked_fill(all_removed, NEG_INF)
+    all_removed = scores.amax(dim=-1, keepdim=True) == NEG_INF
+    return values.masked_fill_(all_removed, NEG_INF) if bool(all_removed.any()) else values
 
 
 def top_n_ids(scores: torch.Tensor, num: torch.Tensor, width: int) -> torch.Tensor:
@@ -30,8 +30,8 @@ def top_n_ids(scores: torch.Tensor, num: torch.Tensor, width: int) -> torch.Tens
     values, ids = torch.topk(scores, width, dim=-1, sorted=True)
     last = values.gather(-1, (num.clamp(min=1) - 1)[:, None])  # the N-th value of each row
     position = torch.arange(width, device=scores.device)[None, :]
-    listed_ties = ((values == last) & (position < num[:, None])).sum(dim=-1)
-    all_ties = (scores == last).sum(dim=-1)
+    listed_ties = ((values == last) & (position < num[:, None])).sum(dim=-1, dtype=torch.int32)
+    all_ties = (scores == last).sum(dim=-1, dtype=torch.int32)
     for r in torch.nonzero((listed_ties != all_ties) & (num > 0)).flatten().tolist():
         n = int(num[r])
         above = ids[r][values[r] > last[r]]
@@ -53,7 +53,7 @@ def gather_logprobs(scores: torch.Tensor, values: torch.Tensor, tokens: torch.Te
     rows that asked fewer are padded with id -1 / -inf); width: N of the output."""
     token_scores = scores.gather(-1, tokens[:, None])
     token_values = values.gather(-1, tokens[:, None]).squeeze(-1)
-    ranks = (scores >= token_scores).sum(dim=-1)
+    ranks = (scores >= token_scores).sum(dim=-1, dtype=torch.int32).to(torch.int64)
     if width > 0:
         top_ids = top_n_ids(scores, num_logprobs, width)
         padding = top_ids < 0

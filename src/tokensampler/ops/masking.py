@@ -22,6 +22,8 @@ def prepare_logits_into(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor
 def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
     """Rows holding +inf keep only their +inf ids, at value 0 (the limit of softmax); in place."""
     has_posinf = z.amax(dim=-1, keepdim=True) == float("inf")
+    if not bool(has_posinf.any()):  # the usual case: one reduction, no rewrite
+        return z
     posinf_rows = z.where(has_posinf, torch.zeros((), dtype=z.dtype, device=z.device))
     replacement = torch.where(posinf_rows == float("inf"), 0.0, NEG_INF).to(z.dtype)
     return torch.where(has_posinf, replacement, z, out=z)
