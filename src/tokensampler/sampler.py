@@ -41,6 +41,11 @@ def _has_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
 
 
+def _plain_greedy(p: SamplingParams) -> bool:
+    return (p.greedy and not _has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
+            and p.min_tokens == 0)
+
+
 def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
     return [b for b, p in enumerate(rows) if pred(p)]
 
@@ -203,11 +208,23 @@ class Sampler:
                                     torch.zeros(batch, dtype=torch.int64, device=device),
                                     torch.full((batch, width), -1, dtype=torch.int64, device=device),
                                     torch.full((batch, width), float("-inf"), dtype=torch.float32, device=device))
+        if all(_plain_greedy(p) for p in rows) and not plan.wants_logprobs:
+            self._run_plain_greedy(logits, tokens, valid)
+            if bool(valid.all()):
+                return SamplerOutput(tokens, valid, None)
         size = self._block_rows
         for start in range(0, batch, size):
             stop = min(batch, start + size)
             self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result)
         return SamplerOutput(tokens, valid, result)
+
+    def _run_plain_greedy(self, logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+        """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no
+        copy (+inf is a maximum; a NaN found there sends the batch to the general path)."""
+        real = logits[:, :self.vocab_size]
+        torch.argmax(real, dim=-1, out=tokens)
+        best = real.gather(-1, tokens[:, None]).squeeze(-1)
+        valid.copy_(best > float("-inf"))  # all -inf: argmax gives 0, the raw greedy id; NaN: False here
 
     @property
     def _block_rows(self) -> int:

@@ -64,13 +64,15 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     lower = select.win_floor(z_max)
     if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
-    if cols.any_top_k:  # the exact k-th value: the list is then the top-k set (with its ties)
+    ordered = cols.any_top_p  # top-p scans the list from the top; nothing else needs an order
+    listed = select.gather_candidates(z, lower, cap, sort=ordered)
+    if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         lower = torch.maximum(lower, select.top_k_threshold(z, cols.top_k)[0])
-    listed = select.gather_candidates(z, lower, cap)
+        listed = select.gather_candidates(z, lower, cap, sort=ordered)
     if listed is None:
         return _dense_route(z, z_max, lower, cols)
     values, ids, count = listed
-    smallest = values.gather(-1, (count - 1).clamp(min=0)[:, None]).squeeze(-1)
+    smallest = torch.where(values == NEG_INF, float("inf"), values).amin(dim=-1)  # listed values are finite
     top_p_rows = cols.top_p < 1.0
     need_exact = top_p_rows | exact_threshold  # top-p's total mass needs the exact tau below it
     tau = torch.full_like(z_max, NEG_INF)
@@ -87,7 +89,8 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if cols.any_top_k:
         k = cols.top_k
         inside = k <= count
-        tau_list = values.gather(-1, (k - 1).clamp(min=0, max=values.shape[-1] - 1)[:, None]).squeeze(-1)
+        largest = values if ordered else torch.topk(values, int(k.clamp(max=values.shape[-1]).max()), dim=-1).values
+        tau_list = largest.gather(-1, (k - 1).clamp(min=0, max=largest.shape[-1] - 1)[:, None]).squeeze(-1)
         tau_list = torch.where(inside, tau_list, NEG_INF)
         beyond = (k > 0) & ~inside & need_exact
         if bool(beyond.any()):

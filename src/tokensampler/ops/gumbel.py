@@ -66,6 +66,22 @@ def approx_gumbel(bits: torch.Tensor) -> torch.Tensor:
     return t.log_().neg_()
 
 
+def approx_scores(key32: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+    """fl(z + g~) over a block (key32 int32 [R, 1], ids int32 [W], z float32 [R, W], threshold
+    float32 [R, 1]), -inf where z < threshold or z = -inf. Written without in-place ops so that
+    `compile.maybe_compiled` can fuse it into one loop; the eager path uses the same function."""
+    x = key32 ^ ids
+    for shift, constant in zip(_SHIFTS, _TRIPLE32_SIGNED):
+        x = (x ^ ((x >> shift) & ((1 << (32 - shift)) - 1))) * constant
+    bits = x ^ ((x >> 14) & ((1 << 18) - 1))
+    k = ((bits >> 8) & 0xFFFFFF).to(torch.float32)
+    low = torch.log((k + 0.5) * _INV_TWO_POW_24)
+    high = torch.log1p(((_TWO_POW_24 - k) - 0.5) * -_INV_TWO_POW_24)
+    g = -torch.log(-torch.where(k < 2**23, low, high))
+    removed = (z < threshold) | (z == NEG_INF)
+    return torch.where(removed, NEG_INF, z + g)
+
+
 def exact_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """fl(z + g) with the definition's noise, for 1-d lists (values float32, keys int64, ids int64)."""
     return values + rng.gumbel_from_bits(rng.random_bits(keys, ids))
@@ -109,17 +125,18 @@ def gumbel_argmax_dense(z: torch.Tensor, threshold: torch.Tensor, keys: torch.Te
     One pass over column blocks keeps a running best approximate score and the ids within the
     margin of it; a final filter against the row's overall best leaves the exact candidates.
     """
+    from .. import compile as ts_compile
+    scores_of = ts_compile.maybe_compiled("approx_scores", approx_scores)
     num_rows, vocab = z.shape
     key32 = keys_int32(keys)[:, None]
+    threshold = threshold[:, None].contiguous()
     cols_per_block = max(1, block // max(num_rows, 1))
     running = torch.full((num_rows, 1), NEG_INF, dtype=torch.float32, device=z.device)
     found_rows, found_ids, found_approx = [], [], []
     for start in range(0, vocab, cols_per_block):
         zb = z[:, start:start + cols_per_block]
         ids = torch.arange(start, start + zb.shape[1], dtype=torch.int32, device=z.device)
-        approx = approx_gumbel(hash32_int32(key32 ^ ids)).add_(zb)
-        approx.masked_fill_(zb < threshold[:, None], NEG_INF)
-        approx.masked_fill_(torch.isneginf(zb), NEG_INF)
+        approx = scores_of(key32, ids, zb, threshold)
         running = torch.maximum(running, approx.amax(dim=-1, keepdim=True))
         rows, cols = torch.nonzero(approx >= running - margin(running), as_tuple=True)
         found_rows.append(rows)

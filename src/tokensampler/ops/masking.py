@@ -15,7 +15,10 @@ def prepare_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 def prepare_logits_into(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """`prepare_logits` written into `out` (float32 [B, V]): no allocation, one in-place NaN pass."""
-    out.copy_(logits[:, :out.shape[1]])
+    source = logits[:, :out.shape[1]]
+    if source.dtype == torch.float32:  # one pass: read, replace NaN, write
+        return torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF, out=out)
+    out.copy_(source)
     return out.nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
 
 

@@ -57,22 +57,25 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
     return tau.masked_fill_(top_k <= 0, NEG_INF), values, ids
 
 
-def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int
+def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: bool = True
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Every id with z >= lower[r], as (values, ids) [R, W] sorted by value descending (padded with
-    -inf / id 0) and the count per row; None if a row has more than `cap` (no sort of the row:
-    one compare, one compaction, a sort of the W candidates)."""
-    rows, cols = torch.nonzero(z >= lower[:, None], as_tuple=True)
-    count = torch.bincount(rows, minlength=z.shape[0])
+    """Every id with z >= lower[r] (a finite bound), as (values, ids) [R, W] padded with -inf / id 0,
+    sorted by value descending if `sort`, and the count per row; None if a row has more than `cap`
+    (no sort of the row: one compare, one compaction, at most a sort of the W candidates)."""
+    mask = z >= lower[:, None]
+    count = mask.sum(dim=-1, dtype=torch.int32).to(torch.int64)
     width = int(count.max()) if count.numel() else 0
-    if width > cap:
+    if width > cap:  # checked before the compaction, which would be as large as the row
         return None
+    rows, cols = torch.nonzero(mask, as_tuple=True)
     start = torch.cumsum(count, dim=0) - count
     slot = torch.arange(rows.numel(), device=z.device) - start[rows]
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
     ids = torch.zeros((z.shape[0], max(width, 1)), dtype=torch.int64, device=z.device)
     values[rows, slot] = z[rows, cols]
     ids[rows, slot] = cols
+    if not sort:
+        return values, ids, count
     values, order = torch.sort(values, dim=-1, descending=True)
     return values, ids.gather(-1, order), count
 
