@@ -108,6 +108,7 @@ def test_histogram_threshold_equals_candidate_threshold():
     assert bool(found.all())
     for bins in (1, 2, 7, 4096):
         assert torch.equal(select.top_p_by_histogram(z, z_max, tau, bound, bins=bins), want)
+        assert torch.equal(select.top_p_by_histogram(z, z_max, tau, None, top_p, bins=bins), want)
 
 
 # ------------------------------------------------------------------ end to end against the oracle

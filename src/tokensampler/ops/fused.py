@@ -129,19 +129,20 @@ def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
         tau = torch.maximum(tau, select.min_p_threshold(z, z_max, cols.min_p))
     if cols.any_top_k:
         tau = torch.maximum(tau, select.top_k_threshold(z, cols.top_k)[0])
-    if cols.any_top_p:
-        bound = cols.top_p * select.kept_mass(z, z_max, tau)
-        tau = _histogram_rows(z, z_max, tau, bound, cols.top_p < 1.0)
+    if cols.any_top_p:  # the histogram pass also gives the kept mass
+        tau = _histogram_rows(z, z_max, tau, None, cols.top_p < 1.0, cols.top_p)
     return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
 
 
-def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor,
-                    rows_mask: torch.Tensor) -> torch.Tensor:
-    """tau with the rows of `rows_mask` raised to their top-p threshold found by histogram."""
+def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor | None,
+                    rows_mask: torch.Tensor, top_p: torch.Tensor | None = None) -> torch.Tensor:
+    """tau with the rows of `rows_mask` raised to their top-p threshold found by histogram (bound
+    None: top_p times the mass the histogram pass sums)."""
     if not bool(rows_mask.any()):
         return tau
     rows = rows_mask.nonzero().squeeze(-1)
-    tau_p = select.top_p_by_histogram(z[rows], z_max[rows], tau[rows], bound[rows])
+    tau_p = _on_rows(lambda zr, *a: select.top_p_by_histogram(zr, *a), z, rows, z_max[rows], tau[rows],
+                     None if bound is None else bound[rows], None if top_p is None else top_p[rows])
     tau = tau.clone()
     tau[rows] = torch.maximum(tau[rows], tau_p)
     return tau

@@ -101,29 +101,43 @@ def top_p_from_candidates(values: torch.Tensor, z_max: torch.Tensor, tau: torch.
 
 
 def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
-                       bound: torch.Tensor, bins: int | None = None) -> torch.Tensor:
-    """tau_p for rows whose crossing point lies deep in the row: value bins between the row's
-    smallest kept z and z_max (a monotone map, so a bin holds a value interval), float64 masses per
-    bin in one pass, then an exact scan of the bin where the mass from the top reaches the bound."""
+                       bound: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
+                       bins: int | None = None) -> torch.Tensor:
+    """tau_p for rows whose crossing point lies deep in the row (flat logits).
+
+    Bins of equal width in z over [low, z_max], low = max(tau, z_max - 64) (p < e^-64 below it);
+    lower values are clamped into bin 0, so each bin still holds one value interval (the map is
+    monotone). One pass gives the float64 mass per bin (and the total, when `bound` is None:
+    bound = top_p * total); the mass from the top locates the bin where it reaches the bound, and
+    an exact scan of that bin's ids, in descending order, gives the threshold."""
     bins = HISTOGRAM_BINS if bins is None else bins
-    rows, vocab = z.shape
-    kept = (z >= tau[:, None]) & (z > NEG_INF)
-    low = torch.where(kept, z, POS_INF).amin(dim=-1)
+    rows = z.shape[0]
+    restricted = bool((tau > NEG_INF).any())
+    low = torch.maximum(tau, z_max - 64.0)
     span = z_max - low
     scale = torch.where(span > 0, bins / span, torch.zeros_like(span))
-    offset = (z - low[:, None]).masked_fill_(~kept, 0.0)  # removed ids: bin 0, weight 0
-    index = (offset * scale[:, None]).floor_().clamp_(0, bins - 1).to(torch.int64)
-    index += (torch.arange(rows, device=z.device) * bins)[:, None]
-    p = relative_probs(z, z_max).masked_fill_(~kept, 0.0).to(torch.float64)
-    masses = torch.bincount(index.flatten(), weights=p.flatten(), minlength=rows * bins).view(rows, bins)
+    index = (z - low[:, None]).mul_(scale[:, None])
+    if bool((scale == 0).any()):
+        index.nan_to_num_(nan=0.0)  # -inf * 0 on rows whose only kept value is z_max
+    index = index.floor_().clamp_(0, bins - 1).to(torch.int32)
+    index += (torch.arange(rows, device=z.device, dtype=torch.int32) * bins)[:, None]
+    p = (z - z_max[:, None]).exp_()
+    if restricted:
+        p.masked_fill_(z < tau[:, None], 0.0)
+    masses = torch.bincount(index.flatten(), weights=p.flatten().to(torch.float64),
+                            minlength=rows * bins).view(rows, bins)
+    if bound is None:
+        bound = top_p * masses.sum(dim=-1)
     mass_from_bin = torch.flip(torch.cumsum(torch.flip(masses, [1]), dim=1), [1])  # bins >= j
     crossing = ((mass_from_bin >= bound[:, None]).sum(dim=-1) - 1).clamp_(min=0)
     above = torch.cat([mass_from_bin[:, 1:], torch.zeros_like(mass_from_bin[:, :1])], dim=1)
     above = above.gather(-1, crossing[:, None]).squeeze(-1)
-    in_bin = kept & (index - (torch.arange(rows, device=z.device) * bins)[:, None] == crossing[:, None])
+    target = crossing.to(torch.int32) + torch.arange(rows, device=z.device, dtype=torch.int32) * bins
+    in_bin = index == target[:, None]
     result = low.clone()
     for r in range(rows):
         values = z[r][in_bin[r]]
+        values = values[(values >= tau[r]) & (values > NEG_INF)]
         if values.numel() == 0:
             continue
         values = torch.sort(values, descending=True).values
