@@ -60,6 +60,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     exact kept threshold (kept = z >= tau, finite), as processed logprobs need; otherwise tau may
     differ from it only below the winnable floor, where it cannot change the token."""
     cap = CANDIDATE_CAP if candidate_cap is None else candidate_cap
+    cap = min(cap, max(1024, z.shape[1] // 8))  # a list near the row's size: the dense route is leaner
     z_max = apply_temperature(z, z_max, cols.temperature)
     lower = select.win_floor(z_max)
     if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
