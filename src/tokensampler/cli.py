@@ -21,12 +21,17 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--case", dest="cases", action="append", default=None,
                         help="run only this case (repeatable); default: the whole matrix")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per arm (default 7, quick 3)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for every arm (default: torch's default)")
     parser.add_argument("--against", choices=["vllm"], default=None,
                         help="add a column with this peer's own sampler (omitted with a note if not importable)")
     return parser
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
                               cases=args.cases, rounds=args.rounds, against=args.against)
     print(bench.format_table(results))

@@ -50,6 +50,14 @@ def maybe_compiled(name: str, fn: Callable) -> Callable:
 
 
 def report() -> dict:
-    """What the bench records: whether compile was on, where its cache lives, first-call seconds."""
-    return {"enabled": enabled(), "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-            "first_call_seconds": dict(_COMPILE_SECONDS)}
+    """What the bench records: whether compile was on, where its cache lives, the wall time of each
+    compiled function's first call (compile or cache load included) and dynamo's compile seconds."""
+    out = {"enabled": enabled(), "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+           "first_call_seconds": dict(_COMPILE_SECONDS)}
+    if _COMPILED:
+        try:
+            from torch._dynamo.utils import compile_times
+            out["dynamo_compile_times"] = compile_times(repr="str")
+        except Exception:  # noqa: BLE001 - a private API: report what exists
+            pass
+    return out

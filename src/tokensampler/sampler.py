@@ -1,21 +1,21 @@
 """`Sampler`: one sampling step for a batch of slots, with the per-slot state it keeps.
 
-The step, in the order of the definition (docs/semantics.md), each a small function in `ops/`:
+The step follows the definition (docs/semantics.md) without sorting the vocabulary
+(docs/cpu-fast-path.md). The batch is cut into row blocks of about `BLOCK_ELEMENTS` logits, each
+copied once into a reused float32 workspace and finished while it is in cache:
 
-1. float32 logits, padding and NaN removed                     `prepare_logits`
-2. raw logprobs / logits, if a row asked (raw modes)            `log_softmax_rows`
+1. float32 logits, padding and NaN removed                     `masking.prepare_logits_into`
 3. allowed ids; stop and EOS ids below min_tokens               `remove_disallowed`, `remove_stop_ids`
-4. logit bias                                                   `z + bias`
-5. repetition, frequency, presence penalties                    `apply_penalties`
-6. greedy rows: lowest id among the maxima                      `argmax`
-7. temperature                                                  `z / T`
-8.-10. min-p, top-k, top-p                                      `apply_min_p`, `apply_top_k`, `apply_top_p`
-11. Gumbel argmax with counter-based noise                      `gumbel_argmax`
-12. processed logprobs / logits (processed modes)
+4. logit bias (rows that have one)                              `z + bias`
+5. penalties (penalised rows, at the ids they have seen)        `penalties.apply_penalties_rows_`
+6. greedy rows: lowest id among the maxima                      `argmax` (no copy if nothing to edit)
+7.-11. temperature, min-p, top-k, top-p as one threshold per row, Gumbel argmax with exact noise
+   only where a token can still win                             `fused.sample_rows`
+2./12. raw or processed logprobs, rows that asked               `logprobs.gather_logprobs`
 13. the token is counted into the slot's history, its position advances   `SamplerState.record_tokens`
 
-Which steps run is planned on the host from the admitted parameters, so a step reads nothing
-back from the device except where documented (`slots` given as a device tensor).
+Which steps run is planned on the host from the admitted parameters (`plan_step`); on a CPU the
+step reads small per-row results back to choose routes (documented in docs/cpu-fast-path.md).
 """
 
 from __future__ import annotations

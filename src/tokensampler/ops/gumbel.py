@@ -28,7 +28,7 @@ _TWO_POW_24 = float(2**24)
 _INV_TWO_POW_24 = 0.5**24
 _TRIPLE32_SIGNED = tuple(c - (1 << 32) if c >= 1 << 31 else c for c in rng._TRIPLE32)
 _SHIFTS = (17, 11, 15)
-DENSE_BLOCK = 1 << 16  # elements per block of the dense pass (cache-sized, bounds the temporaries)
+DENSE_BLOCK = 1 << 18  # elements per block of the dense pass (cache-sized, bounds the temporaries)
 
 
 def keys_int32(keys: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ def gumbel_argmax_dense(z: torch.Tensor, threshold: torch.Tensor, keys: torch.Te
     running = torch.full((num_rows, 1), NEG_INF, dtype=torch.float32, device=z.device)
     found_rows, found_ids, found_approx = [], [], []
     for start in range(0, vocab, cols_per_block):
-        zb = z[:, start:start + cols_per_block]
+        zb = z[:, start:start + cols_per_block].contiguous()  # a fresh small block: one compiled graph
         ids = torch.arange(start, start + zb.shape[1], dtype=torch.int32, device=z.device)
         approx = scores_of(key32, ids, zb, threshold)
         running = torch.maximum(running, approx.amax(dim=-1, keepdim=True))

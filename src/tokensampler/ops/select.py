@@ -133,10 +133,12 @@ def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
     above = torch.cat([mass_from_bin[:, 1:], torch.zeros_like(mass_from_bin[:, :1])], dim=1)
     above = above.gather(-1, crossing[:, None]).squeeze(-1)
     target = crossing.to(torch.int32) + torch.arange(rows, device=z.device, dtype=torch.int32) * bins
-    in_bin = index == target[:, None]
+    bin_rows, bin_cols = torch.nonzero(index == target[:, None], as_tuple=True)  # one pass for all rows
+    bin_values = z[bin_rows, bin_cols]
+    starts = torch.searchsorted(bin_rows, torch.arange(rows + 1, device=z.device)).tolist()
     result = low.clone()
     for r in range(rows):
-        values = z[r][in_bin[r]]
+        values = bin_values[starts[r]:starts[r + 1]]
         values = values[(values >= tau[r]) & (values > NEG_INF)]
         if values.numel() == 0:
             continue
