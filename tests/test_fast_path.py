@@ -333,3 +333,19 @@ def test_compiled_path_matches_reference_and_eager(monkeypatch):
     eager = run_sampler(logits, params, logprobs_mode="processed_logprobs")
     assert_same_output(want, compiled)
     assert_same_output(want, eager)
+
+
+@pytest.mark.parametrize("cap,bins", [(0, 4096), (0, 1), (3, 4096), (8192, 4096)])
+def test_top_p_bound_reached_exactly_is_the_border(cap, bins, monkeypatch):
+    """p = 1, 1/2, 1/4, 1/4 (exact in float32): with top_p = 0.75 the mass above the 1/4 ids is
+    1.5 = 0.75 * 2 exactly, not < the bound: they go; the 1/2 id (mass above 1 < 1.5) stays."""
+    logits = torch.tensor([[0.0, math.log(0.5), math.log(0.25), math.log(0.25), NEG_INF]])
+    assert torch.exp(logits[0, :4]).tolist() == [1.0, 0.5, 0.25, 0.25]
+    monkeypatch.setattr(fused, "CANDIDATE_CAP", cap)
+    monkeypatch.setattr(select, "HISTOGRAM_BINS", bins)  # 1 bin: the in-bin scan finds the border
+    params = [SamplingParams(top_p=0.75, seed=9, logprobs=5)]
+    want = run_reference(logits, params, logprobs_mode="processed_logits")
+    got = run_sampler(logits, params, logprobs_mode="processed_logits")
+    assert_same_output(want, got)
+    kept = {int(i) for i, v in zip(got.logprobs.top_token_ids[0], got.logprobs.top_logprobs[0]) if v > NEG_INF}
+    assert kept == {0, 1}

@@ -307,7 +307,11 @@ class Sampler:
         if not asked:
             return
         if final is None:
-            scores = masking.saturate_posinf(masking.prepare_logits(logits[start:stop][asked], self.vocab_size))
+            rows = logits[start:stop] if len(asked) == stop - start else logits[start:stop][asked]
+            scores = rows[:, :self.vocab_size]
+            top = scores.amax(dim=-1)  # NaN or +inf anywhere in the rows: the float32 copy with its rules
+            if scores.dtype != torch.float32 or not bool(torch.isfinite(top).all()):
+                scores = masking.saturate_posinf(masking.prepare_logits(rows, self.vocab_size))
         else:
             scores = final[asked]
         values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
