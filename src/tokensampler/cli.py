@@ -10,7 +10,7 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import bench
+from . import bench, generate
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -25,6 +25,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                         help="torch intra-op threads for every arm (default: torch's default)")
     parser.add_argument("--against", choices=["vllm"], default=None,
                         help="add a column with this peer's own sampler (omitted with a note if not importable)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="split the vocabulary over N gloo ranks on this machine (bench_distributed.py)")
     return parser
 
 
@@ -32,6 +34,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
     if args.threads is not None:
         import torch
         torch.set_num_threads(args.threads)
+    if args.world is not None:
+        from . import bench_distributed
+
+        results = bench_distributed.run_world_bench(args.world, quick=args.quick, cases=args.cases,
+                                                    rounds=args.rounds, json_path=args.json_path)
+        print(bench_distributed.format_world_table(results))
+        return 0 if all(r["steps_tokens_equal"] == r["steps"] for r in results) else 1
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
                               cases=args.cases, rounds=args.rounds, against=args.against)
     print(bench.format_table(results))
@@ -45,6 +54,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[tuple[Callable[[argparse._SubParsersAction], argparse.ArgumentParser],
                         Callable[[argparse.Namespace], int]]] = [
     (add_bench_parser, run_bench_command),
+    (generate.add_generate_parser, generate.run_generate_command),
 ]
 
 

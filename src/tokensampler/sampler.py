@@ -22,14 +22,15 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from . import rng
 from .ops import fused, logprobs, masking, penalties
 from .output import LogprobsOutput, SamplerOutput
-from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab, check_token_ids
+from .params import (INT64_MIN, UINT64_MAX, InvalidSamplingParams, SamplingParams, check_params_for_vocab,
+                     check_token_ids)
 from .reference import LOGPROBS_MODES
 from .state import SamplerState
 
@@ -106,11 +107,14 @@ class Sampler:
     logprobs_mode: "raw_logprobs" | "raw_logits" | "processed_logprobs" | "processed_logits" (vLLM's).
     max_logprobs: the largest N a request may ask (-1, the whole vocabulary, is always allowed).
     eos_token_ids: removed, with each request's stop ids, while it is below its min_tokens.
+    group: a torch.distributed process group (or a `distributed.Exchange`) over which the
+      vocabulary is split: each rank passes its slice [B, padded_vocab_size / world] and every
+      rank gets the same output (see docs/distributed.md).
     """
 
     def __init__(self, vocab_size: int, *, max_slots: int, device: torch.device | str = "cpu",
                  padded_vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
-                 max_logprobs: int = 20, eos_token_ids: Sequence[int] = ()) -> None:
+                 max_logprobs: int = 20, eos_token_ids: Sequence[int] = (), group: Any = None) -> None:
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise InvalidSamplingParams("vocab_size", vocab_size, "an int >= 1")
         if not isinstance(max_slots, int) or max_slots < 1:
@@ -130,8 +134,12 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
         self.eos_token_ids = tuple(eos_token_ids)
-        self.state = SamplerState(max_slots, vocab_size, self.device)
         self._z_workspace: torch.Tensor | None = None
+        self._split = None
+        if group is not None:  # vocabulary split: the slice's state and step live in distributed.py
+            from .distributed import VocabSplit
+            self._split = VocabSplit(self, group)
+        self.state = SamplerState(max_slots, vocab_size, self.device) if self._split is None else self._split.state
 
     # ---------------------------------------------------------------- admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -143,6 +151,9 @@ class Sampler:
         stream: the noise stream (choice i of an n > 1 request uses stream i).
         Everything is checked before any state changes.
         """
+        if self._split is not None:
+            return self._split.add_request(slot, params, prompt_token_ids, output_token_ids=output_token_ids,
+                                           position=position, stream=stream)
         self._check_slot(slot)
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParams("params", params, "a SamplingParams")
@@ -159,10 +170,64 @@ class Sampler:
         self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids)
         return seed
 
+    def set_params(self, slot: int, params: SamplingParams) -> None:
+        """Replace the parameters of an occupied `slot`, keeping its seed, position and history."""
+        self._check_unsplit("set_params")
+        self._check_occupied(slot)
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParams("params", params, "a SamplingParams")
+        check_params_for_vocab(params, self.vocab_size, self.max_logprobs)
+        self.state.write_params(slot, params, self.eos_token_ids)
+
+    def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
+                  streams: Sequence[int]) -> None:
+        """Set the seed, position and stream of occupied slots (one entry per slot), all at once."""
+        self._check_unsplit("set_noise")
+        for slot in slots:
+            self._check_occupied(slot)
+        if not len(slots) == len(seeds) == len(positions) == len(streams):
+            raise InvalidSamplingParams("seeds/positions/streams", (len(seeds), len(positions), len(streams)),
+                                        f"one entry per slot ({len(slots)})")
+        for name, values, low, high in (("seed", seeds, INT64_MIN, UINT64_MAX), ("position", positions, 0, 2**32 - 1),
+                                        ("stream", streams, 0, 2**32 - 1)):
+            for value in values:
+                if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                    raise InvalidSamplingParams(name, value, f"an int in [{low}, {high}]")
+        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
+        self.state.set_noise(as_tensor(list(slots)), as_tensor([rng.seed_to_int64(s) for s in seeds]),
+                             as_tensor(list(positions)), as_tensor(list(streams)))
+        for slot, seed in zip(slots, seeds):
+            self.state.seeds[slot] = seed
+
+    def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
+                      output_token_ids: torch.Tensor | None) -> None:
+        """Rebuild the penalty history of occupied slots from `[len(slots), S]` ids, -1 = padding.
+
+        prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
+        (and the output length that min_tokens counts).
+        """
+        self._check_unsplit("reset_history")
+        for slot in slots:
+            self._check_occupied(slot)
+        tensors = []
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
+            if ids is not None:
+                if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != len(slots) \
+                        or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                    raise InvalidSamplingParams(name, getattr(ids, "shape", ids),
+                                                f"an integer tensor [{len(slots)}, S] (-1 = padding)")
+                ids = ids.to(device=self.device, dtype=torch.int64)
+                if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.vocab_size):
+                    raise InvalidSamplingParams(name, (int(ids.min()), int(ids.max())),
+                                                f"token ids in [0, {self.vocab_size}) or -1 (padding)")
+            tensors.append(ids)
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        self.state.rebuild_history(index, tensors[0], tensors[1])
+
     def remove_request(self, slot: int) -> None:
         """Free `slot`; sampling it again needs a new `add_request`."""
         self._check_slot(slot)
-        self.state.release(slot)
+        (self._split or self.state).release(slot)
 
     def seed_of(self, slot: int) -> int:
         """The effective seed of the request in `slot` (the drawn one for an unseeded request)."""
@@ -179,18 +244,29 @@ class Sampler:
         return self.state.params[slot]
 
     # ---------------------------------------------------------------- the step
-    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None, *,
+               record: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token for each row of `logits` ([B, padded_vocab_size], fp32/fp16/bf16).
 
         Row b belongs to `slots[b]` (default 0..B-1). Each sampled token is counted into its
         slot's history and the slot's position advances by one.
+        record: optional bool [B] on the sampler's device; rows where it is False are sampled but
+        neither counted nor advanced (their slot's state is left as it was).
         """
+        if self._split is not None:
+            if record is not None:
+                self._check_unsplit("sample(record=...)")
+            return self._split.sample(logits, slots)
         slot_list = self._check_step(logits, slots)
+        if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
+                                   or tuple(record.shape) != (len(slot_list),)):
+            raise InvalidSamplingParams("record", getattr(record, "shape", record),
+                                        f"None or a bool tensor of shape ({len(slot_list)},)")
         rows = [self.state.params[s] for s in slot_list]
         plan = plan_step(rows, self.vocab_size)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
         out = self._run(logits, index, plan)
-        self.state.record_tokens(index, out.token_ids)
+        self.state.record_tokens(index, out.token_ids, record)
         return out
 
     def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
@@ -324,6 +400,11 @@ class Sampler:
         result.top_logprobs[where] = part.top_logprobs
 
     # ---------------------------------------------------------------- checks
+    def _check_unsplit(self, what: str) -> None:
+        if self._split is not None:
+            raise InvalidSamplingParams("group", what, "None: this slot-state method is not available on a "
+                                        "vocabulary-split sampler yet")
+
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:
             raise InvalidSamplingParams("slot", slot, f"an int in [0, {self.max_slots})")

@@ -17,7 +17,7 @@ from .params import SamplingParams
 
 
 class SamplerState:
-    """Device tensors indexed by slot; `move` and `copy_from` relocate whole slots."""
+    """Device tensors indexed by slot; `move` relocates whole slots."""
 
     def __init__(self, max_slots: int, vocab_size: int, device: torch.device) -> None:
         self.max_slots = max_slots
@@ -65,16 +65,24 @@ class SamplerState:
               prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
               eos_token_ids: Sequence[int]) -> None:
         """Write every column of `slot` (ids already checked against the vocabulary)."""
+        self.write_params(slot, params, eos_token_ids)
+        values = {"seed": rng.seed_to_int64(seed), "position": position, "stream": stream,
+                  "output_len": len(output_token_ids)}
+        for name, value in values.items():
+            getattr(self, name)[slot] = value
+        self.set_history(slot, prompt_token_ids, output_token_ids)
+        self.seeds[slot] = seed
+
+    def write_params(self, slot: int, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+        """Write the parameter columns of `slot` (not its seed, position or history)."""
         values = {
             "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
             "min_p": params.min_p, "presence": params.presence_penalty,
             "frequency": params.frequency_penalty, "repetition": params.repetition_penalty,
-            "min_tokens": params.min_tokens, "seed": rng.seed_to_int64(seed), "position": position,
-            "stream": stream, "output_len": len(output_token_ids),
+            "min_tokens": params.min_tokens,
         }
         for name, value in values.items():
             getattr(self, name)[slot] = value
-        self.set_history(slot, prompt_token_ids, output_token_ids)
         if params.logit_bias or self.logit_bias is not None:
             bias = self._dense("logit_bias", torch.float32, 0.0)
             bias[slot] = 0.0
@@ -96,7 +104,6 @@ class SamplerState:
             if params.min_tokens > 0 and stop_ids:
                 stop[slot, stop_ids] = True
         self.params[slot] = params
-        self.seeds[slot] = seed
 
     def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """Rebuild the slot's prompt mask and output counts from token lists."""
@@ -124,9 +131,41 @@ class SamplerState:
             self.params[d] = p
             self.seeds[d] = s
 
-    def record_tokens(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Count each sampled token into its slot's history and advance its position: O(B)."""
-        self.output_counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32),
-                                      accumulate=True)
-        self.position.index_add_(0, slots, torch.ones_like(slots))
-        self.output_len.index_add_(0, slots, torch.ones_like(slots))
+    def record_tokens(self, slots: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Count each sampled token into its slot's history and advance its position: O(B).
+
+        mask: optional bool [B]; rows where it is False are left untouched (their count and
+        position get + 0, so the update has the same shape either way and needs no host sync).
+        """
+        ones = torch.ones_like(slots) if mask is None else mask.to(torch.int64)
+        self.output_counts.index_put_((slots, tokens), ones.to(torch.int32), accumulate=True)
+        self.position.index_add_(0, slots, ones)
+        self.output_len.index_add_(0, slots, ones)
+
+    def set_noise(self, slots: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  streams: torch.Tensor) -> None:
+        """Overwrite the noise coordinates of `slots` (int64 tensors, seeds as int64 bit patterns)."""
+        self.seed[slots] = seeds
+        self.position[slots] = positions
+        self.stream[slots] = streams
+
+    def rebuild_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
+                        output_tokens: torch.Tensor | None) -> None:
+        """Rebuild the penalty history of `slots` from `[len(slots), S]` int64 ids, -1 = padding.
+
+        prompt_tokens None keeps the prompt mask; output_tokens None clears the output counts.
+        The output length (for min_tokens) becomes the number of output ids.
+        """
+        if prompt_tokens is not None:
+            mask = torch.zeros((slots.numel(), self.vocab_size + 1), dtype=torch.bool, device=self.device)
+            ids = torch.where(prompt_tokens < 0, self.vocab_size, prompt_tokens)
+            mask.scatter_(1, ids, True)
+            self.prompt_mask[slots] = mask[:, :self.vocab_size]
+        counts = torch.zeros((slots.numel(), self.vocab_size + 1), dtype=torch.int32, device=self.device)
+        lengths = torch.zeros(slots.numel(), dtype=torch.int64, device=self.device)
+        if output_tokens is not None:
+            ids = torch.where(output_tokens < 0, self.vocab_size, output_tokens)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+            lengths = (output_tokens >= 0).sum(dim=1)
+        self.output_counts[slots] = counts[:, :self.vocab_size]
+        self.output_len[slots] = lengths
