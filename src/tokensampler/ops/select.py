@@ -24,6 +24,7 @@ from .. import rng
 NEG_INF = float("-inf")
 POS_INF = float("inf")
 HISTOGRAM_BINS = 4096
+COLUMN_CHUNK = 1 << 16  # elements per column chunk of the full-row passes (mass, histogram)
 
 
 def relative_probs(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
@@ -68,6 +69,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
     if width > cap:  # checked before the compaction, which would be as large as the row
         return None
     rows, cols = torch.nonzero(mask, as_tuple=True)
+    del mask
     start = torch.cumsum(count, dim=0) - count
     slot = torch.arange(rows.numel(), device=z.device) - start[rows]
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
@@ -80,12 +82,23 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
     return values, ids.gather(-1, order), count
 
 
+def _column_chunks(z: torch.Tensor) -> list[tuple[int, int]]:
+    """Column ranges of about COLUMN_CHUNK elements over the rows of z: bounds the temporaries."""
+    width = max(1, COLUMN_CHUNK // max(z.shape[0], 1))
+    return [(c, min(c + width, z.shape[1])) for c in range(0, z.shape[1], width)]
+
+
 def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """float64 [R]: the sum of the float32 p over the ids with z >= tau."""
-    p = (z - z_max[:, None]).exp_()
-    if not bool(torch.isneginf(tau).all()):
-        p.masked_fill_(z < tau[:, None], 0.0)
-    return p.sum(dim=-1, dtype=torch.float64)
+    """float64 [R]: the sum of the float32 p over the ids with z >= tau (column chunk by chunk)."""
+    restricted = not bool(torch.isneginf(tau).all())
+    total = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)
+    for start, stop in _column_chunks(z):
+        zc = z[:, start:stop]
+        p = (zc - z_max[:, None]).exp_()
+        if restricted:
+            p.masked_fill_(zc < tau[:, None], 0.0)
+        total += p.sum(dim=-1, dtype=torch.float64)
+    return total
 
 
 def top_p_from_candidates(values: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
@@ -116,25 +129,40 @@ def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
     low = torch.maximum(tau, z_max - 64.0)
     span = z_max - low
     scale = torch.where(span > 0, bins / span, torch.zeros_like(span))
-    index = (z - low[:, None]).mul_(scale[:, None])
-    if bool((scale == 0).any()):
-        index.nan_to_num_(nan=0.0)  # -inf * 0 on rows whose only kept value is z_max
-    index = index.floor_().clamp_(0, bins - 1).to(torch.int32)
-    index += (torch.arange(rows, device=z.device, dtype=torch.int32) * bins)[:, None]
-    p = (z - z_max[:, None]).exp_()
-    if restricted:
-        p.masked_fill_(z < tau[:, None], 0.0)
-    masses = torch.bincount(index.flatten(), weights=p.flatten().to(torch.float64),
-                            minlength=rows * bins).view(rows, bins)
+    offsets = (torch.arange(rows, device=z.device, dtype=torch.int32) * bins)[:, None]
+    fix_nan = bool((scale == 0).any())
+
+    def bin_index(zc: torch.Tensor) -> torch.Tensor:
+        index = (zc - low[:, None]).mul_(scale[:, None])
+        if fix_nan:
+            index.nan_to_num_(nan=0.0)  # -inf * 0 on rows whose only kept value is z_max
+        return index.floor_().clamp_(0, bins - 1).to(torch.int32).add_(offsets)
+
+    chunks = _column_chunks(z)
+    masses = torch.zeros(rows * bins, dtype=torch.float64, device=z.device)
+    for start, stop in chunks:
+        zc = z[:, start:stop]
+        p = (zc - z_max[:, None]).exp_()
+        if restricted:
+            p.masked_fill_(zc < tau[:, None], 0.0)
+        masses += torch.bincount(bin_index(zc).flatten(), weights=p.flatten().to(torch.float64),
+                                 minlength=rows * bins)
+    masses = masses.view(rows, bins)
     if bound is None:
         bound = top_p * masses.sum(dim=-1)
     mass_from_bin = torch.flip(torch.cumsum(torch.flip(masses, [1]), dim=1), [1])  # bins >= j
     crossing = ((mass_from_bin >= bound[:, None]).sum(dim=-1) - 1).clamp_(min=0)
     above = torch.cat([mass_from_bin[:, 1:], torch.zeros_like(mass_from_bin[:, :1])], dim=1)
     above = above.gather(-1, crossing[:, None]).squeeze(-1)
-    target = crossing.to(torch.int32) + torch.arange(rows, device=z.device, dtype=torch.int32) * bins
-    bin_rows, bin_cols = torch.nonzero(index == target[:, None], as_tuple=True)  # one pass for all rows
-    bin_values = z[bin_rows, bin_cols]
+    target = crossing.to(torch.int32)[:, None] + offsets
+    found_rows, found_values = [], []
+    for start, stop in chunks:  # the crossing bin's ids, chunk by chunk
+        zc = z[:, start:stop]
+        r, c = torch.nonzero(bin_index(zc) == target, as_tuple=True)
+        found_rows.append(r)
+        found_values.append(zc[r, c])
+    bin_rows, order = torch.sort(torch.cat(found_rows), stable=True)
+    bin_values = torch.cat(found_values)[order]
     starts = torch.searchsorted(bin_rows, torch.arange(rows + 1, device=z.device)).tolist()
     result = low.clone()
     for r in range(rows):
