@@ -5,6 +5,12 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import torch  # noqa: E402
+
+# Triton reads TRITON_INTERPRET when it is first imported: without CUDA the kernels run interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from hypothesis import settings  # noqa: E402
 
 # CI must be reproducible: a fixed example sequence there; random exploration on developer machines.

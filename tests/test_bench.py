@@ -74,3 +74,14 @@ def test_matrix_is_the_issue_matrix():
     by_name = {c.name: c for c in bench.WORKLOAD_MATRIX}
     assert (by_name["B1_V248k_topp"].batch, by_name["B1_V248k_topp"].vocab) == (1, 248320)
     assert by_name["penalties_topp"].history and by_name["topp0.9_flat"].flat
+
+
+def test_readme_usage_example_runs():
+    """The README's 'Use it' example runs as written."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    code = text.split("## Use it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert out.token_ids.shape == (2,) and bool(out.valid.all())

@@ -122,6 +122,10 @@ def test_bad_logits(engine):
     assert out.valid.tolist() == [True, False, True, False]
     assert out.token_ids[0] in (1, 3) and out.token_ids[2] in (1, 3)
     assert out.token_ids[1] == 0 and out.token_ids[3] == 0
+    # every z / T underflows to -inf: nothing is left after temperature -> raw greedy id, invalid
+    logits = torch.tensor([[-2e38, -1e38, -1e38, -3e38]])
+    out = ENGINES[engine](logits, [SamplingParams(temperature=1e-3, seed=1)])
+    assert out.token_ids.tolist() == [1] and out.valid.tolist() == [False]
     # allowed ids that are all removed -> the raw greedy id, flagged invalid
     logits = torch.tensor([[1.0, -inf, 5.0, 2.0]])
     out = ENGINES[engine](logits, [SamplingParams(allowed_token_ids=(1,))])

@@ -350,3 +350,15 @@ def test_top_p_bound_reached_exactly_is_the_border(cap, bins, monkeypatch):
     assert_same_output(want, got)
     kept = {int(i) for i, v in zip(got.logprobs.top_token_ids[0], got.logprobs.top_logprobs[0]) if v > NEG_INF}
     assert kept == {0, 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_temperature_overflow_to_minus_inf_empties_the_row(mode):
+    """z / T overflows to -inf for every id of row 1 (and for some ids of row 0): row 1 has no id
+    left, is invalid and gets its raw greedy id; row 0 samples among the ids that stay finite."""
+    logits = torch.tensor([[-3e38, -3.1e38, -2e38, 5.0], [-3e38, -3.2e38, -3.3e38, -3.05e38]])
+    params = [SamplingParams(temperature=0.01, seed=1, logprobs=2), SamplingParams(temperature=0.01, seed=2, logprobs=4)]
+    want = run_reference(logits, params, logprobs_mode=mode)
+    got = run_sampler(logits, params, logprobs_mode=mode)
+    assert_same_output(want, got)
+    assert got.valid.tolist() == [True, False] and got.token_ids.tolist() == [3, 0]

@@ -5,9 +5,17 @@ token exactly as docs/semantics.md defines it, fast, on CPU or GPU, with per-slo
 """
 
 from .api import sample
+from .batch_params import BatchSamplingParams
+from .generation_config import GenerationDefaults, InvalidRequest, load_generation_defaults, resolve_request
+from .generator import SamplingGenerator, StaleSamplingState
 from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams
 from .sampler import Sampler
+from .seeds import SeedManager
 
-__all__ = ["InvalidSamplingParams", "LogprobsOutput", "Sampler", "SamplerOutput", "SamplingParams", "sample"]
+__all__ = [
+    "BatchSamplingParams", "GenerationDefaults", "InvalidRequest", "InvalidSamplingParams", "LogprobsOutput",
+    "Sampler", "SamplerOutput", "SamplingGenerator", "SamplingParams", "SeedManager", "StaleSamplingState",
+    "load_generation_defaults", "resolve_request", "sample",
+]
 __version__ = "0.1.0"

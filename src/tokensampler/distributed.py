@@ -15,6 +15,8 @@ several ranks) are removed. Every rank returns the same `SamplerOutput`, equal t
 The per-rank penalty state holds only the rank's ids (prompt mask, output counts, bias, allowed
 and stop ids translated to local ids). Admission all-gathers a hash of the request so ranks that
 disagree raise `SplitMismatch` before any state changes; an unseeded request takes rank 0's seed.
+The generator's slot-state updates (`set_params`, `set_noise`, `reset_history`, `record=`) agree
+the same way (`VocabSplit.agree`), then translate global ids to the slice.
 """
 
 from __future__ import annotations
@@ -22,11 +24,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import secrets
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 
+from .distributed_groups import Exchange, SamplingDP, TorchExchange, as_exchange, sampling_dp
 from .ops import distributed_select as sel
 from .output import SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
@@ -34,6 +36,9 @@ from .state import SamplerState
 
 if TYPE_CHECKING:
     from .sampler import Sampler
+
+__all__ = ["Exchange", "SamplingDP", "SplitMismatch", "TorchExchange", "VocabSplit", "as_exchange", "call_key",
+           "sampling_dp"]
 
 NEG_INF = float("-inf")
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -45,120 +50,26 @@ class SplitMismatch(InvalidSamplingParams):
     or another rank rejected its input. Raised on every rank, before any state changes."""
 
 
-# ================================================================== collectives
-class Exchange:
-    """The one collective a split step needs (all-gather of a small tensor), with byte counters.
-
-    `bytes_sent` counts what this rank contributes, `bytes_received` what it gets from the others
-    (payload only, no transport overhead); `calls` counts collectives.
-    """
-
-    rank: int = 0
-    world_size: int = 1
-
-    def __init__(self) -> None:
-        self.reset_counters()
-
-    def reset_counters(self) -> None:
-        self.calls = 0
-        self.bytes_sent = 0
-        self.bytes_received = 0
-
-    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[*shape] on every rank -> [world_size, *shape], rank order, identical on every rank."""
-        nbytes = tensor.numel() * tensor.element_size()
-        self.calls += 1
-        self.bytes_sent += nbytes
-        self.bytes_received += nbytes * (self.world_size - 1)
-        return self._all_gather(tensor.contiguous())
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-
-class TorchExchange(Exchange):
-    """`Exchange` over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
-
-    def __init__(self, group: Any) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_available() or not dist.is_initialized():
-            raise InvalidSamplingParams("group", group, "a group of an initialised torch.distributed")
-        super().__init__()
-        self._dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        self._dist.all_gather(parts, tensor, group=self.group)
-        return torch.stack(parts)
-
-
-def as_exchange(group: Any) -> Exchange:
-    """A process group, or an `Exchange` (custom transports, tests), as an `Exchange`."""
-    return group if isinstance(group, Exchange) else TorchExchange(group)
-
-
-# ================================================================== data-parallel groups
-@dataclass(frozen=True)
-class SamplingDP:
-    """`dp` independent sampling groups of `tp` ranks each in a world of dp * tp ranks.
-
-    Group g holds ranks [g * tp, (g + 1) * tp) (the usual TP-inner layout). Rows are split across
-    groups by slot, round robin: global slot s lives in group s % dp, at local slot s // dp.
-    """
-
-    tp: int
-    dp: int
-
-    def __post_init__(self) -> None:
-        for name in ("tp", "dp"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidSamplingParams(name, value, "an int >= 1")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.dp
-
-    def ranks_of(self, group: int) -> list[int]:
-        return list(range(group * self.tp, (group + 1) * self.tp))
-
-    def group_of_rank(self, rank: int) -> int:
-        if not 0 <= rank < self.world_size:
-            raise InvalidSamplingParams("rank", rank, f"an int in [0, {self.world_size})")
-        return rank // self.tp
-
-    def locate(self, global_slot: int) -> tuple[int, int]:
-        """(group, local slot) of a global slot."""
-        if isinstance(global_slot, bool) or not isinstance(global_slot, int) or global_slot < 0:
-            raise InvalidSamplingParams("global_slot", global_slot, "an int >= 0")
-        return global_slot % self.dp, global_slot // self.dp
-
-    def global_slot(self, group: int, local_slot: int) -> int:
-        return local_slot * self.dp + group
-
-    def new_groups(self) -> list[Any]:
-        """Create the dp process groups (every rank of the world must call this, in step)."""
-        import torch.distributed as dist
-
-        if dist.get_world_size() != self.world_size:
-            raise InvalidSamplingParams("world_size", dist.get_world_size(), f"tp * dp = {self.world_size}")
-        return [dist.new_group(self.ranks_of(g)) for g in range(self.dp)]
-
-
-def sampling_dp(tp: int, dp: int) -> SamplingDP:
-    """The layout of `dp` sampling groups of `tp` ranks (see `SamplingDP`)."""
-    return SamplingDP(tp, dp)
-
-
 # ================================================================== the split sampler
 def _fingerprint(*parts: Any) -> int:
     """A 63-bit hash of a repr, the same in every process (Python's hash() is salted per process)."""
     digest = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") >> 1
+
+
+def call_key(value: Any) -> Any:
+    """`value` with every tensor replaced by (dtype, shape, hash of its bytes), for `_fingerprint`
+    (the repr of a large tensor elides values). Reads tensors back to the host."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", str(value.dtype), tuple(value.shape), hashlib.blake2b(data, digest_size=8).hexdigest())
+    if isinstance(value, SamplingParams):
+        return _params_key(value)
+    if isinstance(value, dict):
+        return ("dict", tuple((call_key(k), call_key(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(call_key(v) for v in value))
+    return value
 
 
 def _params_key(params: SamplingParams) -> tuple:
@@ -174,16 +85,19 @@ class VocabSplit:
 
     def __init__(self, sampler: Sampler, group: Any, *, top_p_pivots: int = DEFAULT_TOP_P_PIVOTS) -> None:
         self.exchange = as_exchange(group)
+        self.device = sampler.device
         world = self.exchange.world_size
         padded = sampler.padded_vocab_size
-        if padded % world:
-            raise InvalidSamplingParams("padded_vocab_size", padded, f"a multiple of the group size {world}")
+        error = None if padded % world == 0 else InvalidSamplingParams(
+            "padded_vocab_size", padded, f"a multiple of the group size {world}")
+        # every rank builds the same sampler, or every rank raises (one all-gather, before any state)
+        self.agree(error, "Sampler", (sampler.vocab_size, padded, sampler.max_slots, sampler.logprobs_mode,
+                                      sampler.max_logprobs, sampler.eos_token_ids, top_p_pivots))
         self.sampler = sampler
         self.vocab_size = sampler.vocab_size
         self.width = padded // world
         self.offset = self.exchange.rank * self.width
         self.real_width = max(0, min(self.width, self.vocab_size - self.offset))  # ids < V held here
-        self.device = sampler.device
         self.top_p_pivots = top_p_pivots
         self.top_p_rounds = sel.bisection_rounds(top_p_pivots)
         self.state = SamplerState(sampler.max_slots, self.width, self.device)
@@ -203,6 +117,20 @@ class VocabSplit:
             raise SplitMismatch("group", f"rank {failed[0]} rejected its input",
                                 "valid input on every rank of the group")
         return gathered[:, 1:]
+
+    def agree(self, error: BaseException | None, what: str, key: Any) -> None:
+        """One all-gather ending a call's checks on every rank: re-raise this rank's `error`, name
+        the rank that failed on the others, or raise `SplitMismatch(what)` when the ranks' `key`s
+        (the call's checked arguments, see `call_key`) differ. Call it before any state changes."""
+        digest = 0 if error is not None else _fingerprint(call_key(key))
+        gathered = self._agree(error, [digest])
+        if bool((gathered[:, 0] != gathered[0, 0]).any()):
+            raise SplitMismatch(what, "different arguments across ranks",
+                                "the same call, with the same arguments, on every rank of the group")
+
+    def shared_random_bits(self) -> int:
+        """63 random bits drawn on rank 0, the same on every rank (one all-gather)."""
+        return int(self._agree(None, [secrets.randbits(63)])[0, 0])
 
     def _local(self, ids: Sequence[int]) -> list[int]:
         return [t - self.offset for t in ids if self.offset <= t < self.offset + self.real_width]
@@ -264,8 +192,15 @@ class VocabSplit:
         st = self.state
         bare = dataclasses.replace(params, logit_bias=None, allowed_token_ids=None, stop_token_ids=())
         st.admit(slot, bare, seed, position, stream, self._local(prompt), self._local(outputs), ())
-        st.params[slot] = params
         st.output_len[slot] = len(outputs)
+        self._write_params(slot, params)
+
+    def _write_params(self, slot: int, params: SamplingParams) -> None:
+        """The parameter columns of `slot`, with bias, allowed and stop/EOS ids translated to local ids."""
+        st = self.state
+        bare = dataclasses.replace(params, logit_bias=None, allowed_token_ids=None, stop_token_ids=())
+        st.write_params(slot, bare, ())
+        st.params[slot] = params
         if params.logit_bias or st.logit_bias is not None:
             bias = self._dense("logit_bias", torch.float32, 0.0)
             bias[slot] = 0.0
@@ -288,10 +223,55 @@ class VocabSplit:
     def release(self, slot: int) -> None:
         self.state.release(slot)
 
+    # ------------------------------------------------------------ slot-state updates (the generator's)
+    def set_params(self, slot: int, params: SamplingParams) -> None:
+        """`Sampler.set_params` on every rank: the ranks agree, then each writes its translation."""
+        error = None
+        try:
+            self.sampler._check_set_params(slot, params)
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting
+            error = exc
+        self.agree(error, "params", (slot, params))
+        self._write_params(slot, params)
+
+    def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
+                  streams: Sequence[int]) -> None:
+        """`Sampler.set_noise` on every rank (the noise columns are replicated)."""
+        error, checked = None, None
+        try:
+            checked = self.sampler._check_noise(slots, seeds, positions, streams)
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather
+            error = exc
+        self.agree(error, "seeds/positions/streams", checked)
+        self.sampler._write_noise(*checked)
+
+    def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
+                      output_token_ids: torch.Tensor | None) -> None:
+        """`Sampler.reset_history` from global ids: each rank keeps the ids of its slice; the
+        output length (min_tokens) counts every output id."""
+        error, checked = None, None
+        try:
+            checked = self.sampler._check_history(slots, prompt_token_ids, output_token_ids)
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather
+            error = exc
+        self.agree(error, "token histories", checked)
+        index, prompt, output = checked
+        self.state.rebuild_history(index, self._local_ids(prompt), self._local_ids(output))
+        if output is not None:
+            self.state.output_len[index] = (output >= 0).sum(dim=1)
+
+    def _local_ids(self, ids: torch.Tensor | None) -> torch.Tensor | None:
+        """Global ids [R, S] (-1 = padding) as this slice's local ids, other ranks' ids as -1."""
+        if ids is None:
+            return None
+        local = ids - self.offset
+        return torch.where((local >= 0) & (local < self.real_width), local, torch.full_like(ids, -1))
+
     # ------------------------------------------------------------ the step
-    def _check_step(self, logits: Any, slots: Any) -> list[int]:
-        """Local checks, then one all-gather: every rank raises if any rank failed or disagrees."""
-        error, slot_list, batch, width = None, [], -1, -1
+    def _check_step(self, logits: Any, slots: Any, record: Any = None) -> list[int]:
+        """Local checks, then one all-gather: every rank raises if any rank failed or disagrees.
+        The record mask, when given, is part of what the ranks must agree on (a host read)."""
+        error, slot_list, batch, width, recorded = None, [], -1, -1, None
         try:
             if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
                 raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
@@ -299,9 +279,12 @@ class VocabSplit:
             batch, width = logits.shape
             if width == self.width:
                 slot_list = self._check_local_step(logits, slots)
+                self.sampler._check_record(record, len(slot_list))
+                recorded = None if record is None else record.tolist()
         except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting
             error = exc
-        digest = _fingerprint([self._row_key(s) for s in slot_list], str(getattr(logits, "dtype", "")))
+            slot_list = []
+        digest = _fingerprint([self._row_key(s) for s in slot_list], str(getattr(logits, "dtype", "")), recorded)
         payload = torch.tensor([error is not None, batch, width, digest], dtype=torch.int64, device=self.device)
         gathered = self.exchange.all_gather(payload).cpu()
         if error is not None:
@@ -318,7 +301,7 @@ class VocabSplit:
                                 "valid input on every rank of the group")
         if any(d != gathered[0, 3] for d in gathered[:, 3].tolist()):
             raise SplitMismatch("params", "different slots or requests across ranks",
-                                "the same slots, requests and logits dtype on every rank of the group")
+                                "the same slots, requests, record mask and logits dtype on every rank of the group")
         return slot_list
 
     def _check_local_step(self, logits: torch.Tensor, slots: Any) -> list[int]:
@@ -336,12 +319,14 @@ class VocabSplit:
             self.sampler._check_occupied(slot)
         return slot_list
 
-    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None) -> SamplerOutput:
-        """`Sampler.sample` on this rank's slice [B, width]: the same output on every rank."""
+    def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None, *,
+               record: torch.Tensor | None = None) -> SamplerOutput:
+        """`Sampler.sample` on this rank's slice [B, width]: the same output on every rank. Rows
+        where `record` (bool [B]) is False are sampled but neither counted nor advanced."""
         from .distributed_step import record_split_tokens, run_split_step
         from .sampler import plan_step
 
-        slot_list = self._check_step(logits, slots)
+        slot_list = self._check_step(logits, slots, record)
         if not slot_list:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=self.device),
                                  torch.empty(0, dtype=torch.bool, device=self.device), None)
@@ -349,5 +334,5 @@ class VocabSplit:
         plan = plan_step(rows, self.vocab_size)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
         out = run_split_step(self, logits, index, plan, rows)
-        record_split_tokens(self, index, out.token_ids)
+        record_split_tokens(self, index, out.token_ids, record)
         return out

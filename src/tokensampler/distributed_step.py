@@ -203,11 +203,15 @@ def _logprobs(split: VocabSplit, keys: torch.Tensor, token_key: torch.Tensor, ls
                           top_ids.masked_fill(padding, -1), top_values.masked_fill(padding, NEG_INF))
 
 
-def record_split_tokens(split: VocabSplit, index: torch.Tensor, tokens: torch.Tensor) -> None:
-    """Count each token on the rank that owns it; every rank advances positions (no host sync)."""
+def record_split_tokens(split: VocabSplit, index: torch.Tensor, tokens: torch.Tensor,
+                        mask: torch.Tensor | None = None) -> None:
+    """Count each token on the rank that owns it; every rank advances positions (no host sync).
+    mask: optional bool [B]; rows where it is False get + 0 (counted nowhere, not advanced)."""
     st = split.state
+    ones = torch.ones_like(index) if mask is None else mask.to(device=index.device, dtype=torch.int64)
     local = tokens - split.offset
     mine = (local >= 0) & (local < split.real_width)
-    st.output_counts.index_put_((index, local.clamp(0, split.width - 1)), mine.to(torch.int32), accumulate=True)
-    st.position.index_add_(0, index, torch.ones_like(index))
-    st.output_len.index_add_(0, index, torch.ones_like(index))
+    st.output_counts.index_put_((index, local.clamp(0, split.width - 1)), (mine.to(torch.int64) * ones).to(torch.int32),
+                                accumulate=True)
+    st.position.index_add_(0, index, ones)
+    st.output_len.index_add_(0, index, ones)

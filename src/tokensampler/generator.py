@@ -12,22 +12,26 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import functools
+import random
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
 from . import rng
 from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
+from .generator_inputs import check_slots, positions_by_slot, token_rows
 from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
 from .sampler import Sampler
-from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap, rank_local_slot_remap
+from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap, check_streams, rank_local_slot_remap
 from .tracing import StepTracer, TraceKey, TraceMismatch
 
 __all__ = ["BatchSamplingParams", "NEUTRAL_PARAMS", "SamplingGenerator", "SeedManager", "StaleSamplingState",
            "TraceKey", "TraceMismatch", "rank_local_slot_remap"]
 
 SAMPLING_MODES = ("device", "host")
+_T = TypeVar("_T")
 # What an empty slot holds: the greedy row, no history, never counted.
 NEUTRAL_PARAMS = SamplingParams(temperature=0.0)
 
@@ -42,9 +46,12 @@ class SamplingGenerator:
     seeds, streams and positions; see the module docstring for the contract.
 
     logprobs_mode, max_logprobs, eos_token_ids: passed to the `Sampler`.
-    group: must be None for now: the vocabulary-split `Sampler` does not yet have the slot-state
-      methods (`record=`, `set_params`, `set_noise`, `reset_history`) the contract needs.
-    seed_source: draws seeds for unseeded requests (default: `secrets`).
+    group: a torch.distributed group (or `distributed.Exchange`) splitting the vocabulary: every
+      rank makes the same calls, passing its logits slice `[B, Vp / world]` to `sample`, and gets
+      the same tokens; a call whose checks fail on any rank raises on every rank before any state
+      changes (docs/distributed.md).
+    seed_source: draws seeds for unseeded requests (default: `secrets`; with a group, a stream
+      seeded by rank 0, the same on every rank; a custom source must give every rank the same seeds).
     """
 
     def __init__(self, vocab_size: int, *, max_batch_size: int, sampling_dp: int = 1,
@@ -57,14 +64,18 @@ class SamplingGenerator:
         self.max_batch_size = max_batch_size
         self.sampling_dp = sampling_dp
         self.num_lanes = max_batch_size * sampling_dp
-        if group is not None:  # the split sampler lacks the slot-state methods the contract needs
-            raise InvalidSamplingParams("group", group, "None: the vocabulary split is not wired through "
-                                        "the generator yet (record mask, set_params, set_noise, reset_history)")
         self.sampler = Sampler(vocab_size, max_slots=self.num_lanes, device=device,
                                padded_vocab_size=padded_vocab_size, logprobs_mode=logprobs_mode,
-                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids)
+                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids, group=group)
         self.vocab_size = vocab_size
         self.device = self.sampler.device
+        self._split = self.sampler._split  # the VocabSplit when the vocabulary is split, else None
+        if self._split is not None:  # the ranks agree on the layout before any lane is admitted
+            self._split.agree(None, "SamplingGenerator", (vocab_size, max_batch_size, sampling_dp,
+                                                          self.sampler.padded_vocab_size, logprobs_mode, max_logprobs,
+                                                          list(eos_token_ids), seed_source is None))
+        if self._split is not None and seed_source is None:  # every rank draws the same seeds
+            seed_source = functools.partial(random.Random(self._split.shared_random_bits()).getrandbits, 63)
         self.seed_manager = SeedManager(self.num_lanes, seed_source=seed_source)
         n = self.num_lanes
         for slot in range(n):  # every lane always holds a row: empty ones the neutral greedy row
@@ -124,19 +135,25 @@ class SamplingGenerator:
         noise streams (choice i of an n > 1 request). Returns the effective seeds (drawn for the
         unseeded). Every other slot keeps its parameters, history and seed.
         """
-        slots = self._check_slots("empty_slots", empty_slots)
+        def check() -> tuple:
+            slots = self._check_slots("empty_slots", empty_slots)
+            if not slots:
+                return slots, [], None, [], streams
+            batch = as_batch_params(sampling_params)
+            if batch.num_lanes() not in (None, len(slots)):
+                raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
+                                            f"one lane per empty slot ({len(slots)})")
+            requests = self._requests(format_sampling_params(batch, len(slots), vocab_size=self.vocab_size))
+            prompts = token_rows("prompt_tokens", prompt_tokens, len(slots), self.vocab_size)
+            lengths = (prompts >= 0).sum(dim=1).tolist()
+            if max(lengths) >= POSITION_LIMIT:
+                raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
+            return slots, requests, prompts, lengths, None if streams is None else check_streams(streams, len(slots))
+
+        slots, requests, prompts, lengths, streams = self._agreed("apply_prefill_state", check)
         if not slots:
             return []
-        batch = as_batch_params(sampling_params)
-        if batch.num_lanes() not in (None, len(slots)):
-            raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
-                                        f"one lane per empty slot ({len(slots)})")
-        requests = self._requests(format_sampling_params(batch, len(slots), vocab_size=self.vocab_size))
-        prompts = self._token_rows("prompt_tokens", prompt_tokens, len(slots))
-        lengths = (prompts >= 0).sum(dim=1).tolist()
-        if max(lengths) >= POSITION_LIMIT:
-            raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
-        # every check is done: change state
+        # every check is done (on every rank): change state
         seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams)
         self.seed_manager.align_seed_counters_to_positions(slots, lengths)
         for slot, request in zip(slots, requests):
@@ -150,7 +167,7 @@ class SamplingGenerator:
 
     def release_slots(self, slots: Sequence[int]) -> None:
         """Empty `slots` (idempotent): they are sampled greedily and never counted until re-admitted."""
-        slot_list = self._check_slots("slots", slots)
+        slot_list = self._agreed("release_slots", lambda: self._check_slots("slots", slots))
         for slot in slot_list:
             self._occupied[slot] = False
             self._params[slot] = None
@@ -172,46 +189,52 @@ class SamplingGenerator:
         positions: the next token's position of each slot (None: keep the slot's counter).
         """
         n = self.num_lanes
-        for name, flag in (("reload_sampling_params", reload_sampling_params),
-                           ("reset_sampling_state", reset_sampling_state)):
-            if not isinstance(flag, bool):
-                raise InvalidSamplingParams(name, flag, "True or False (a required command)")
-        if sampling_mode not in SAMPLING_MODES:
-            raise InvalidSamplingParams("sampling_mode", sampling_mode, f"one of {SAMPLING_MODES}")
-        remap = None if slot_remap is None else check_slot_remap(slot_remap, n)
-        if remap == list(range(n)):
-            remap = None
-        if not reset_sampling_state:
-            for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
-                                ("positions", positions)):
-                if value is not None:
-                    raise InvalidSamplingParams(name, "given", "None unless reset_sampling_state=True")
-        full_rebuild = reload_sampling_params and reset_sampling_state
-        if sampling_mode == "device" and any(self._stale) and not full_rebuild:
-            raise StaleSamplingState(
-                "reload_sampling_params/reset_sampling_state", (reload_sampling_params, reset_sampling_state),
-                f"both True: slots {self.stale_slots()[:8]}... are stale after host sampling or a host-mode remap")
-        occupied = [self._occupied[j] for j in remap] if remap is not None else list(self._occupied)
-        given: dict[int, SamplingParams] = {}
-        if reload_sampling_params or reset_sampling_state:
-            given = self._chunk_lanes(chunks, occupied)
-        live = [s for s in range(n) if occupied[s]]
-        prompts = outputs = None
-        new_positions: dict[int, int] = {}
-        if reset_sampling_state:
-            if prompt_tokens is not None:
-                prompts = self._token_rows("prompt_tokens", prompt_tokens, n)
-            if output_tokens is not None:
-                outputs = self._token_rows("output_tokens", output_tokens, n)
-            if positions is not None:
-                new_positions = self._positions(positions, live)
-            if sampling_mode == "device" and prompts is None and live:
-                prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
-                if any(prompt_stale[s] for s in live):
-                    raise StaleSamplingState("prompt_tokens", None,
-                                             "the prompts of every slot: a host-mode remap left the device "
-                                             "prompt history in the old slots")
-        # every check is done: change state
+
+        def check() -> tuple:
+            for name, flag in (("reload_sampling_params", reload_sampling_params),
+                               ("reset_sampling_state", reset_sampling_state)):
+                if not isinstance(flag, bool):
+                    raise InvalidSamplingParams(name, flag, "True or False (a required command)")
+            if sampling_mode not in SAMPLING_MODES:
+                raise InvalidSamplingParams("sampling_mode", sampling_mode, f"one of {SAMPLING_MODES}")
+            remap = None if slot_remap is None else check_slot_remap(slot_remap, n)
+            if remap == list(range(n)):
+                remap = None
+            if not reset_sampling_state:
+                for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
+                                    ("positions", positions)):
+                    if value is not None:
+                        raise InvalidSamplingParams(name, "given", "None unless reset_sampling_state=True")
+            full_rebuild = reload_sampling_params and reset_sampling_state
+            if sampling_mode == "device" and any(self._stale) and not full_rebuild:
+                raise StaleSamplingState(
+                    "reload_sampling_params/reset_sampling_state", (reload_sampling_params, reset_sampling_state),
+                    f"both True: slots {self.stale_slots()[:8]}... are stale after host sampling or a host-mode remap")
+            occupied = [self._occupied[j] for j in remap] if remap is not None else list(self._occupied)
+            given: dict[int, SamplingParams] = {}
+            if reload_sampling_params or reset_sampling_state:
+                given = self._chunk_lanes(chunks, occupied)
+            live = [s for s in range(n) if occupied[s]]
+            prompts = outputs = None
+            new_positions: dict[int, int] = {}
+            if reset_sampling_state:
+                if prompt_tokens is not None:
+                    prompts = token_rows("prompt_tokens", prompt_tokens, n, self.vocab_size)
+                if output_tokens is not None:
+                    outputs = token_rows("output_tokens", output_tokens, n, self.vocab_size)
+                if positions is not None:
+                    new_positions = positions_by_slot(positions, live, n)
+                if sampling_mode == "device" and prompts is None and live:
+                    prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
+                    if any(prompt_stale[s] for s in live):
+                        raise StaleSamplingState("prompt_tokens", None,
+                                                 "the prompts of every slot: a host-mode remap left the device "
+                                                 "prompt history in the old slots")
+            return remap, full_rebuild, given, live, prompts, outputs, new_positions
+
+        remap, full_rebuild, given, live, prompts, outputs, new_positions = self._agreed(
+            "apply_decode_state", check, (reload_sampling_params, reset_sampling_state, sampling_mode))
+        # every check is done (on every rank): change state
         if remap is not None:
             self._apply_remap(remap, sampling_mode)
         if reload_sampling_params:
@@ -275,18 +298,26 @@ class SamplingGenerator:
         logits tensor (write the new logits into it); its outputs are overwritten by the next replay.
         Returns (token ids int64 [B], logprobs or None); `last_output.valid` flags rows with no id left.
         """
-        batch = self._check_logits(logits)
-        if active_slots is None:
-            active = [s for s in range(batch) if self._occupied[s]]
-        else:
-            active = self._check_occupied("active_slots", active_slots)
-            for slot in active:
-                if slot >= batch:
-                    raise InvalidSamplingParams("active_slots", slot, f"slots below the batch of logits ({batch})")
-        stale = [s for s in active if self._stale[s]]
-        if stale:
-            raise StaleSamplingState("active_slots", stale, "slots rebuilt by apply_decode_state(reload_sampling_"
-                                     "params=True, reset_sampling_state=True) after host sampling")
+        def check() -> tuple[int, list[int]]:
+            batch = self._check_logits(logits)
+            if active_slots is None:
+                active = [s for s in range(batch) if self._occupied[s]]
+            else:
+                active = self._check_occupied("active_slots", active_slots)
+                for slot in active:
+                    if slot >= batch:
+                        raise InvalidSamplingParams("active_slots", slot,
+                                                    f"slots below the batch of logits ({batch})")
+            stale = [s for s in active if self._stale[s]]
+            if stale:
+                raise StaleSamplingState("active_slots", stale, "slots rebuilt by apply_decode_state(reload_sampling_"
+                                         "params=True, reset_sampling_state=True) after host sampling")
+            force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
+            if enable_trace and self._split is not None and force_argmax == self._force_argmax:  # a flip drops all
+                self.tracer.check(logits, force_argmax)
+            return batch, active
+
+        batch, active = self._agreed("sample", check, enable_trace)
         record = torch.zeros(batch, dtype=torch.bool)
         record[active] = True
         force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
@@ -315,6 +346,20 @@ class SamplingGenerator:
         return self.tracer.captures
 
     # ------------------------------------------------------------ helpers
+    def _agreed(self, what: str, check: Callable[[], _T], key: Any = None) -> _T:
+        """`check()` (a call's validation, no state change). On a split vocabulary every rank then
+        takes part in one all-gather, so a failure on any rank, or ranks whose checked arguments
+        (and `key`) differ, raise on every rank before any state changes and no rank is left waiting."""
+        if self._split is None:
+            return check()
+        error, result = None, None
+        try:
+            result = check()
+        except Exception as exc:  # noqa: BLE001 - raised after the all-gather
+            error = exc
+        self._split.agree(error, what, (result, key))
+        return result
+
     def _write_device_params(self, slot: int) -> None:
         """Make the device row of `slot` hold the host parameters (neutral when empty)."""
         target = self._params[slot] if self._occupied[slot] else NEUTRAL_PARAMS
@@ -350,13 +395,7 @@ class SamplingGenerator:
         return given
 
     def _check_slots(self, name: str, slots: Sequence[int]) -> list[int]:
-        slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-        for slot in slot_list:
-            if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.num_lanes:
-                raise InvalidSamplingParams(name, slot, f"slots in [0, {self.num_lanes})")
-        if len(set(slot_list)) != len(slot_list):
-            raise InvalidSamplingParams(name, slot_list, "distinct slots")
-        return slot_list
+        return check_slots(name, slots, self.num_lanes)
 
     def _check_occupied(self, name: str, slots: Sequence[int]) -> list[int]:
         slot_list = self._check_slots(name, slots)
@@ -365,37 +404,9 @@ class SamplingGenerator:
                 raise InvalidSamplingParams(name, slot, "occupied slots (admitted by apply_prefill_state)")
         return slot_list
 
-    def _token_rows(self, name: str, value: Any, rows: int) -> torch.Tensor:
-        """`[rows, S]` int64 ids on the CPU, -1 = padding, each checked against the vocabulary."""
-        try:
-            ids = value.detach().to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value)
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise InvalidSamplingParams(name, type(value).__name__, f"a [{rows}, S] tensor of ids") from error
-        if ids.dim() != 2 or ids.shape[0] != rows or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-            raise InvalidSamplingParams(name, tuple(ids.shape), f"an integer tensor [{rows}, S], -1 = padding")
-        ids = ids.to(torch.int64)
-        if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.vocab_size):
-            bad = ids[(ids < -1) | (ids >= self.vocab_size)][0].item()
-            raise InvalidSamplingParams(name, bad, f"token ids in [0, {self.vocab_size}) or -1 (padding)")
-        return ids
-
-    def _positions(self, positions: Any, live: list[int]) -> dict[int, int]:
-        """slot -> new position for the occupied slots whose entry is not None."""
-        values = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
-        if len(values) != self.num_lanes:
-            raise InvalidSamplingParams("positions", f"{len(values)} entries", f"one per slot ({self.num_lanes})")
-        out = {}
-        for slot in live:
-            value = values[slot]
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < POSITION_LIMIT:
-                raise InvalidSamplingParams(f"positions[{slot}]", value, f"None or an int in [0, {POSITION_LIMIT})")
-            out[slot] = value
-        return out
-
     def _check_logits(self, logits: torch.Tensor) -> int:
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= self.num_lanes:
-            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits), f"a tensor [B, "
-                                        f"{self.sampler.padded_vocab_size}] with 1 <= B <= {self.num_lanes}")
+            width = self.sampler.padded_vocab_size if self._split is None else self._split.width
+            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
+                                        f"a tensor [B, {width}] with 1 <= B <= {self.num_lanes}")
         return logits.shape[0]

@@ -111,6 +111,11 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
     z = saturate_posinf(z)
     kept = ~torch.isneginf(z)
     valid = bool(kept.any())
+    if valid and not params.greedy:
+        # 7. temperature (an underflow to -inf removes the id; if none is left, the row is invalid)
+        z = saturate_posinf(z / torch.tensor(params.temperature, dtype=torch.float32))
+        kept = ~torch.isneginf(z)
+        valid = bool(kept.any())
     if not valid:  # no id left: the greedy id of the raw logits, flagged invalid
         token = int(torch.argmax(raw))
         final = z
@@ -118,9 +123,6 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
         token = int(torch.argmax(z))
         final = z
     else:
-        # 7. temperature
-        z = saturate_posinf(z / torch.tensor(params.temperature, dtype=torch.float32))
-        kept = ~torch.isneginf(z)
         z_max = z[kept].max()
         p = torch.exp(z - z_max)  # float32, the relative probabilities q_i / max(q)
         # 8. min-p

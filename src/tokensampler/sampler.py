@@ -26,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from . import rng
+from . import kernels, rng
 from .ops import fused, logprobs, masking, penalties
 from .output import LogprobsOutput, SamplerOutput
 from .params import (INT64_MIN, UINT64_MAX, InvalidSamplingParams, SamplingParams, check_params_for_vocab,
@@ -140,6 +140,7 @@ class Sampler:
             from .distributed import VocabSplit
             self._split = VocabSplit(self, group)
         self.state = SamplerState(max_slots, vocab_size, self.device) if self._split is None else self._split.state
+        self._kernel_step = None  # the Triton step (kernels/), made on first use
 
     # ---------------------------------------------------------------- admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -172,17 +173,39 @@ class Sampler:
 
     def set_params(self, slot: int, params: SamplingParams) -> None:
         """Replace the parameters of an occupied `slot`, keeping its seed, position and history."""
-        self._check_unsplit("set_params")
-        self._check_occupied(slot)
-        if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParams("params", params, "a SamplingParams")
-        check_params_for_vocab(params, self.vocab_size, self.max_logprobs)
+        if self._split is not None:
+            return self._split.set_params(slot, params)
+        self._check_set_params(slot, params)
         self.state.write_params(slot, params, self.eos_token_ids)
 
     def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
                   streams: Sequence[int]) -> None:
         """Set the seed, position and stream of occupied slots (one entry per slot), all at once."""
-        self._check_unsplit("set_noise")
+        if self._split is not None:
+            return self._split.set_noise(slots, seeds, positions, streams)
+        self._write_noise(*self._check_noise(slots, seeds, positions, streams))
+
+    def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
+                      output_token_ids: torch.Tensor | None) -> None:
+        """Rebuild the penalty history of occupied slots from `[len(slots), S]` ids, -1 = padding.
+
+        prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
+        (and the output length that min_tokens counts).
+        """
+        if self._split is not None:
+            return self._split.reset_history(slots, prompt_token_ids, output_token_ids)
+        self.state.rebuild_history(*self._check_history(slots, prompt_token_ids, output_token_ids))
+
+    def _check_set_params(self, slot: int, params: SamplingParams) -> None:
+        self._check_occupied(slot)
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParams("params", params, "a SamplingParams")
+        check_params_for_vocab(params, self.vocab_size, self.max_logprobs)
+
+    def _check_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
+                     streams: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+        """The checked (slots, seeds, positions, streams) of `set_noise`, as lists."""
+        slots, seeds, positions, streams = (list(v) for v in (slots, seeds, positions, streams))
         for slot in slots:
             self._check_occupied(slot)
         if not len(slots) == len(seeds) == len(positions) == len(streams):
@@ -193,20 +216,19 @@ class Sampler:
             for value in values:
                 if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                     raise InvalidSamplingParams(name, value, f"an int in [{low}, {high}]")
+        return slots, seeds, positions, streams
+
+    def _write_noise(self, slots: list[int], seeds: list[int], positions: list[int], streams: list[int]) -> None:
         as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
-        self.state.set_noise(as_tensor(list(slots)), as_tensor([rng.seed_to_int64(s) for s in seeds]),
-                             as_tensor(list(positions)), as_tensor(list(streams)))
+        self.state.set_noise(as_tensor(slots), as_tensor([rng.seed_to_int64(s) for s in seeds]),
+                             as_tensor(positions), as_tensor(streams))
         for slot, seed in zip(slots, seeds):
             self.state.seeds[slot] = seed
 
-    def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
-                      output_token_ids: torch.Tensor | None) -> None:
-        """Rebuild the penalty history of occupied slots from `[len(slots), S]` ids, -1 = padding.
-
-        prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
-        (and the output length that min_tokens counts).
-        """
-        self._check_unsplit("reset_history")
+    def _check_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
+                       output_token_ids: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(slot index, prompt ids, output ids) of `reset_history`: int64 on the device, global ids."""
         for slot in slots:
             self._check_occupied(slot)
         tensors = []
@@ -222,7 +244,7 @@ class Sampler:
                                                 f"token ids in [0, {self.vocab_size}) or -1 (padding)")
             tensors.append(ids)
         index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        self.state.rebuild_history(index, tensors[0], tensors[1])
+        return index, tensors[0], tensors[1]
 
     def remove_request(self, slot: int) -> None:
         """Free `slot`; sampling it again needs a new `add_request`."""
@@ -254,20 +276,24 @@ class Sampler:
         neither counted nor advanced (their slot's state is left as it was).
         """
         if self._split is not None:
-            if record is not None:
-                self._check_unsplit("sample(record=...)")
-            return self._split.sample(logits, slots)
+            return self._split.sample(logits, slots, record=record)
         slot_list = self._check_step(logits, slots)
-        if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
-                                   or tuple(record.shape) != (len(slot_list),)):
-            raise InvalidSamplingParams("record", getattr(record, "shape", record),
-                                        f"None or a bool tensor of shape ({len(slot_list)},)")
+        self._check_record(record, len(slot_list))
         rows = [self.state.params[s] for s in slot_list]
         plan = plan_step(rows, self.vocab_size)
+        if kernels.use_kernels(logits, plan.logprobs_width):
+            return self._kernels().run(logits, slot_list, plan, record)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
         out = self._run(logits, index, plan)
         self.state.record_tokens(index, out.token_ids, record)
         return out
+
+    def _kernels(self):
+        """The fused Triton step (it owns its scratch buffers); made on first use."""
+        if self._kernel_step is None:
+            from .kernels.launcher import KernelStep
+            self._kernel_step = KernelStep(self)
+        return self._kernel_step
 
     def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
         """Steps 1-12, one block of consecutive rows at a time (cache-sized: every pass over a block
@@ -347,6 +373,16 @@ class Sampler:
         sampled = [b for b, p in enumerate(block_params) if not p.greedy and valid_host[b]]
         processed = self.logprobs_mode.startswith("processed") and result is not None
         if sampled:
+            # step 7 may overflow every id of a row to -inf (tiny T): such a row has no id left
+            dead = torch.isneginf(z_max[sampled] / st.temperature[slots[sampled]]).tolist()
+            if any(dead):
+                gone = [b for b, d in zip(sampled, dead) if d]
+                sampled = [b for b, d in zip(sampled, dead) if not d]
+                block_valid[gone] = False
+                z[gone] = float("-inf")  # their processed values: z / T, every one -inf
+                if raw_argmax is None:
+                    raw_argmax = masking.prepare_logits(logits[start:stop], self.vocab_size).argmax(dim=-1)
+        if sampled:
             block_tokens[sampled] = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
         if raw_argmax is not None:
             block_tokens = torch.where(block_valid, block_tokens, raw_argmax)
@@ -400,10 +436,11 @@ class Sampler:
         result.top_logprobs[where] = part.top_logprobs
 
     # ---------------------------------------------------------------- checks
-    def _check_unsplit(self, what: str) -> None:
-        if self._split is not None:
-            raise InvalidSamplingParams("group", what, "None: this slot-state method is not available on a "
-                                        "vocabulary-split sampler yet")
+    def _check_record(self, record: torch.Tensor | None, batch: int) -> None:
+        if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
+                                   or tuple(record.shape) != (batch,)):
+            raise InvalidSamplingParams("record", getattr(record, "shape", record),
+                                        f"None or a bool tensor of shape ({batch},)")
 
     def _check_slot(self, slot: int) -> None:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < self.max_slots:

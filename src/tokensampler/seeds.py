@@ -78,6 +78,17 @@ def _check_slots(name: str, slots: Sequence[int], num_slots: int) -> list[int]:
     return slot_list
 
 
+def check_streams(streams: Sequence[int] | None, count: int) -> list[int]:
+    """`count` noise streams (default 0 each), each an int in [0, 2^32)."""
+    stream_list = [0] * count if streams is None else list(streams)
+    if len(stream_list) != count:
+        raise InvalidSamplingParams("streams", f"{len(stream_list)} streams", f"one per slot ({count})")
+    for stream in stream_list:
+        if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < POSITION_LIMIT:
+            raise InvalidSamplingParams("stream", stream, f"an int in [0, {POSITION_LIMIT})")
+    return stream_list
+
+
 def _check_seed(seed: int | None) -> int | None:
     if seed is None or seed == -1:
         return None
@@ -112,12 +123,7 @@ class SeedManager:
         seed_list = [_check_seed(s) for s in seeds]
         if len(seed_list) != len(slot_list):
             raise InvalidSamplingParams("seeds", f"{len(seed_list)} seeds", f"one per slot ({len(slot_list)})")
-        stream_list = [0] * len(slot_list) if streams is None else list(streams)
-        if len(stream_list) != len(slot_list):
-            raise InvalidSamplingParams("streams", f"{len(stream_list)} streams", f"one per slot ({len(slot_list)})")
-        for stream in stream_list:
-            if isinstance(stream, bool) or not isinstance(stream, int) or not 0 <= stream < POSITION_LIMIT:
-                raise InvalidSamplingParams("stream", stream, f"an int in [0, {POSITION_LIMIT})")
+        stream_list = check_streams(streams, len(slot_list))
         out = []
         for slot, seed, stream in zip(slot_list, seed_list, stream_list):
             self._set(slot, seed, stream)

@@ -2,8 +2,9 @@
 
 A captured step bakes in its step plan (which rows are greedy, which filters run), so each trace
 also records the rows' parameters and is captured again when they change. A key is bound to the
-logits tensor it was captured with: replaying with another raises `TraceMismatch`. Off CUDA the
-same bookkeeping runs and the step is eager; on CUDA a step that cannot be captured runs eagerly.
+logits tensor it was captured with: replaying with another raises `TraceMismatch`. Off CUDA, and
+for a vocabulary-split sampler (its step reads the ranks' agreement on the host), the same
+bookkeeping runs and the step is eager; on CUDA a step that cannot be captured runs eagerly.
 """
 
 from __future__ import annotations
@@ -64,9 +65,12 @@ class StepTracer:
         """Drop every captured step."""
         self._traces.clear()
 
-    def step(self, logits: torch.Tensor, record: torch.Tensor, force_argmax: bool) -> SamplerOutput:
-        """Sample `logits` (row b = slot b) through the captured step of its key; `record` is the
-        bool [B] host mask of the rows to count."""
+    def check(self, logits: torch.Tensor, force_argmax: bool) -> None:
+        """Raise `TraceMismatch` where `step` would, changing nothing (a split generator checks
+        this before its ranks agree to step)."""
+        self._lookup(logits, force_argmax)
+
+    def _lookup(self, logits: torch.Tensor, force_argmax: bool) -> tuple[TraceKey, _Trace | None, list]:
         batch = logits.shape[0]
         rows = self.sampler.state.params[:batch]
         plan = plan_step(rows, self.sampler.vocab_size)
@@ -76,6 +80,12 @@ class StepTracer:
             raise TraceMismatch("logits", _tensor_id(logits)[:2],
                                 f"the tensor the step {key} was captured with (data_ptr, shape) "
                                 f"{trace.logits_id[:2]}: copy the new logits into it")
+        return key, trace, rows
+
+    def step(self, logits: torch.Tensor, record: torch.Tensor, force_argmax: bool) -> SamplerOutput:
+        """Sample `logits` (row b = slot b) through the captured step of its key; `record` is the
+        bool [B] host mask of the rows to count."""
+        key, trace, rows = self._lookup(logits, force_argmax)
         signature = tuple(rows)
         if trace is None or trace.signature != signature:
             trace = self._capture(logits, signature)
@@ -92,7 +102,7 @@ class StepTracer:
         nothing; the warm-up step records no token (its record mask is all False)."""
         self.captures += 1
         trace = _Trace(_tensor_id(logits), signature)
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or self.sampler._split is not None:  # a split step syncs on the host
             return trace
         record = torch.zeros(logits.shape[0], dtype=torch.bool, device=self.device)
         try:
