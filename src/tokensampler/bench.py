@@ -145,15 +145,20 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_arms(arms: dict[str, Callable[[], object]], rounds: int, device: torch.device,
-              warmup: int = 1) -> dict[str, list[float]]:
-    """Milliseconds per call of each arm, alternating arms within each round."""
-    for fn in arms.values():
+def time_arms(arms: dict, rounds: int, device: torch.device, warmup: int = 1) -> dict[str, list[float]]:
+    """Milliseconds per call of each arm, alternating arms within each round. An arm is a callable,
+    or a (setup, callable) pair whose setup runs untimed before each call."""
+    arms = {name: fn if isinstance(fn, tuple) else (None, fn) for name, fn in arms.items()}
+    for setup, fn in arms.values():
         for _ in range(warmup):
+            if setup is not None:
+                setup()
             fn()
     times: dict[str, list[float]] = {name: [] for name in arms}
     for _ in range(rounds):
-        for name, fn in arms.items():
+        for name, (setup, fn) in arms.items():
+            if setup is not None:  # untimed preparation, e.g. a fresh copy of an input edited in place
+                setup()
             _synchronize(device)
             start = time.perf_counter()
             fn()
@@ -162,7 +167,8 @@ def time_arms(arms: dict[str, Callable[[], object]], rounds: int, device: torch.
     return times
 
 
-def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int | None = None) -> dict:
+def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int | None = None,
+             against: str | None = None) -> dict:
     logits = make_logits(case.batch, case.vocab, flat=case.flat, device=device)
     prompts, outputs = make_histories(case)
     equal, rows = check_against_reference(case, logits, prompts, outputs, device, check_rows)
@@ -179,25 +185,40 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
         "sort_pipeline": lambda: sort_pipeline_step(logits, case, counts, prompt_mask, gen),
         "tokensampler": lambda: sampler.sample(logits),
     }
+    if against == "vllm" and device.type == "cpu":
+        from . import bench_vllm
+        peer = bench_vllm.vllm_arm(case, logits, prompts, outputs)
+        if peer is not None:
+            arms["vllm"] = peer
     times = time_arms(arms, rounds, device)
     medians = {name: statistics.median(values) for name, values in times.items()}
+    from .bench_memory import step_memory_report
+    memory = step_memory_report(lambda: sampler.sample(logits), logits, case.vocab) if device.type == "cpu" else None
     return {
         "case": case.name, "batch": case.batch, "vocab": case.vocab, "params": case.params,
         "flat": case.flat, "history": case.history, "rounds": rounds,
         "median_ms": medians, "runs_ms": times,
-        "reference_rows_equal": equal, "rows": rows,
+        "reference_rows_equal": equal, "rows": rows, "memory": memory,
     }
 
 
 def format_table(results: list[dict]) -> str:
-    header = ("| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts | rows = reference |\n"
-              "|---|---|---|---|---|---|---|")
-    lines = [header]
+    peer = any("vllm" in r["median_ms"] for r in results)
+    memory = any(r.get("memory") for r in results)
+    header = "| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts |"
+    header += " vLLM ms | vLLM / ts |" if peer else ""
+    header += " peak extra / fp32 logits |" if memory else ""
+    header += " rows = reference |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
         m = r["median_ms"]
-        lines.append(f"| {r['case']} | {m['tokensampler']:.2f} | {m['sort_pipeline']:.2f} | {m['floor']:.3f} | "
-                     f"{m['tokensampler'] / m['floor']:.1f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x | "
-                     f"{r['reference_rows_equal']}/{r['rows']} |")
+        line = (f"| {r['case']} | {m['tokensampler']:.2f} | {m['sort_pipeline']:.2f} | {m['floor']:.3f} | "
+                f"{m['tokensampler'] / m['floor']:.1f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x |")
+        if peer:
+            line += (f" {m['vllm']:.2f} | {m['vllm'] / m['tokensampler']:.1f}x |" if "vllm" in m else " - | - |")
+        if memory:
+            line += f" {r['memory']['ratio']:.2f} |" if r.get("memory") else " - |"
+        lines.append(line + f" {r['reference_rows_equal']}/{r['rows']} |")
     return "\n".join(lines)
 
 
@@ -212,7 +233,7 @@ def machine_info(device: torch.device) -> dict:
 
 def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = None,
               cases: list[str] | None = None, rounds: int | None = None, log=sys.stderr,
-              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX) -> list[dict]:
+              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None) -> list[dict]:
     """Run the matrix (or the named cases); print progress to `log`, return per-case results."""
     dev = torch.device(device)
     selected = [c for c in matrix if cases is None or c.name in cases]
@@ -221,17 +242,29 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
         raise ValueError(f"cases={sorted(unknown)} are not in the workload matrix: {[c.name for c in matrix]}")
     n_rounds = rounds if rounds is not None else (3 if quick else 7)
     check_rows = QUICK_CHECK_ROWS if quick else None
+    peer_note = None
+    if against == "vllm":
+        from . import bench_vllm
+        peer_note = bench_vllm.why_unavailable()
+        if peer_note:
+            print(peer_note, file=log, flush=True)
     results = []
     for i, case in enumerate(selected, 1):
         print(f"[{i}/{len(selected)}] {case.name} (B={case.batch}, V={case.vocab}) ...", file=log, flush=True)
-        results.append(run_case(case, dev, n_rounds, check_rows))
+        results.append(run_case(case, dev, n_rounds, check_rows, against))
         m = results[-1]["median_ms"]
-        print(f"    tokensampler {m['tokensampler']:.2f} ms, sort pipeline {m['sort_pipeline']:.2f} ms, "
+        peer = f", vLLM {m['vllm']:.2f} ms" if "vllm" in m else ""
+        print(f"    tokensampler {m['tokensampler']:.2f} ms, sort pipeline {m['sort_pipeline']:.2f} ms{peer}, "
               f"floor {m['floor']:.3f} ms, reference {results[-1]['reference_rows_equal']}/{case.batch}",
               file=log, flush=True)
     if json_path:
         payload = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "machine": machine_info(dev), "quick": quick, "results": results}
+        if against == "vllm":
+            from . import bench_vllm
+            payload["peer"] = {"name": "vllm", "version": bench_vllm.vllm_version(), "note": peer_note}
+        from . import compile as ts_compile
+        payload["compile"] = ts_compile.report()
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=1)
     return results

@@ -21,12 +21,19 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--case", dest="cases", action="append", default=None,
                         help="run only this case (repeatable); default: the whole matrix")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per arm (default 7, quick 3)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for every arm (default: torch's default)")
+    parser.add_argument("--against", choices=["vllm"], default=None,
+                        help="add a column with this peer's own sampler (omitted with a note if not importable)")
     parser.add_argument("--world", type=int, default=None,
                         help="split the vocabulary over N gloo ranks on this machine (bench_distributed.py)")
     return parser
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.threads is not None:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.world is not None:
         from . import bench_distributed
 
@@ -35,7 +42,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
         print(bench_distributed.format_world_table(results))
         return 0 if all(r["steps_tokens_equal"] == r["steps"] for r in results) else 1
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
-                              cases=args.cases, rounds=args.rounds)
+                              cases=args.cases, rounds=args.rounds, against=args.against)
     print(bench.format_table(results))
     mismatched = [r["case"] for r in results if r["reference_rows_equal"] != r["rows"]]
     if mismatched:

@@ -13,9 +13,20 @@ def prepare_logits(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return z.masked_fill_(torch.isnan(z), NEG_INF)
 
 
+def prepare_logits_into(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """`prepare_logits` written into `out` (float32 [B, V]): no allocation, one in-place NaN pass."""
+    source = logits[:, :out.shape[1]]
+    if source.dtype == torch.float32:  # one pass: read, replace NaN, write
+        return torch.nan_to_num(source, nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF, out=out)
+    out.copy_(source)
+    return out.nan_to_num_(nan=NEG_INF, posinf=float("inf"), neginf=NEG_INF)
+
+
 def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
     """Rows holding +inf keep only their +inf ids, at value 0 (the limit of softmax); in place."""
     has_posinf = z.amax(dim=-1, keepdim=True) == float("inf")
+    if not bool(has_posinf.any()):  # the usual case: one reduction, no rewrite
+        return z
     posinf_rows = z.where(has_posinf, torch.zeros((), dtype=z.dtype, device=z.device))
     replacement = torch.where(posinf_rows == float("inf"), 0.0, NEG_INF).to(z.dtype)
     return torch.where(has_posinf, replacement, z, out=z)

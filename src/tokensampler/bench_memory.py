@@ -1,0 +1,38 @@
+"""Peak extra host memory of one call, for `tokensampler bench`'s memory column (CPU).
+
+torch's CPU allocator has no peak counter, so the call runs once under `torch.profiler` with
+`profile_memory=True`: every op reports the bytes it allocated and kept (self), every free outside
+an op is a `[memory]` event; the running sum in time order gives the peak above the memory held
+before the call. Transient buffers an op allocates and frees inside itself are not seen (they are
+small for the ops a step uses: a sort of a candidate list, a reduction's partials).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated above the starting point while `fn()` runs (its result is dropped
+    before the profile ends, so what it returns counts while it is alive)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0),
+                    key=lambda e: e.time_range.start)
+    running = peak = 0
+    for event in events:
+        running += event.self_cpu_memory_usage
+        peak = max(peak, running)
+    return peak
+
+
+def step_memory_report(step: Callable[[], object], logits: torch.Tensor, vocab: int) -> dict:
+    """{"peak_extra_bytes", "logits_fp32_bytes", "ratio"}: the step's peak extra memory against
+    one float32 buffer of the logits' real size (batch x vocab x 4 bytes)."""
+    step()  # warm: first-call allocations (workspaces) are not per-step costs
+    peak = peak_extra_bytes(step)
+    reference = logits.shape[0] * vocab * 4
+    return {"peak_extra_bytes": peak, "logits_fp32_bytes": reference, "ratio": peak / reference}

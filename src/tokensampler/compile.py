@@ -1,0 +1,63 @@
+"""torch.compile switch of the CPU fast path: `TOKENSAMPLER_COMPILE=0` keeps everything eager.
+
+The only compiled function is the dense-route noise block (`ops.gumbel`): the int32 hash and the
+float32 approximate Gumbel noise fused into one loop. Its result only selects candidates (the
+exact float64 noise decides the token), so compiled and eager runs give the same tokens; the
+approximation bound is checked for the compiled kernel too. Inductor's FX graph cache keeps the
+compiled artefact across processes (TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/tokensampler).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+_COMPILED: dict[str, Callable] = {}
+_COMPILE_SECONDS: dict[str, float] = {}
+
+
+def enabled() -> bool:
+    """True unless TOKENSAMPLER_COMPILE is 0/false/no/off."""
+    return os.environ.get("TOKENSAMPLER_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> str:
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                                 os.path.join(os.path.expanduser("~"), ".cache", "tokensampler", "inductor"))
+
+
+def maybe_compiled(name: str, fn: Callable) -> Callable:
+    """`fn` compiled by inductor (dynamic shapes, cached per process and on disk) when enabled."""
+    if not enabled():
+        return fn
+    compiled = _COMPILED.get(name)
+    if compiled is None:
+        import torch
+        cache_dir()
+        compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+        def first_call(*args, _compiled=compiled):
+            start = time.perf_counter()
+            result = _compiled(*args)
+            _COMPILE_SECONDS[name] = time.perf_counter() - start
+            _COMPILED[name] = _compiled
+            return result
+
+        _COMPILED[name] = first_call
+        compiled = first_call
+    return compiled
+
+
+def report() -> dict:
+    """What the bench records: whether compile was on, where its cache lives, the wall time of each
+    compiled function's first call (compile or cache load included) and dynamo's compile seconds."""
+    out = {"enabled": enabled(), "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+           "first_call_seconds": dict(_COMPILE_SECONDS)}
+    if _COMPILED:
+        try:
+            from torch._dynamo.utils import compile_times
+            out["dynamo_compile_times"] = compile_times(repr="str")
+        except Exception:  # noqa: BLE001 - a private API: report what exists
+            pass
+    return out

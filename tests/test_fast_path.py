@@ -1,0 +1,364 @@
+"""The CPU fast path (ops/select, ops/gumbel, ops/fused, Sampler._run) against reference.py.
+
+Token for token (and every logprobs field) on randomised batches: shapes, dtypes, padded
+vocabularies, parameter mixes within one batch, ties, -inf/NaN/+inf rows, histories, both the
+candidate-list route and the dense route, tiny histograms (so the in-bin scan does the work).
+Plus the building blocks: the int32 hash, the noise approximation bound over all 2^24 u, the
+winnable floor, and which rows each stage touches in a mixed batch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+# The eager path by default (compiling costs a minute on a 2-core machine); one test below runs the
+# compiled path (TOKENSAMPLER_COMPILE=1) against the reference.
+os.environ.setdefault("TOKENSAMPLER_COMPILE", "0")
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tokensampler import Sampler, SamplingParams, rng
+from tokensampler.ops import fused, gumbel, select
+
+from helpers import run_reference, run_sampler
+
+NEG_INF = float("-inf")
+MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def assert_same_output(want, got) -> None:
+    assert torch.equal(want.token_ids, got.token_ids), (want.token_ids, got.token_ids)
+    assert torch.equal(want.valid, got.valid)
+    assert (want.logprobs is None) == (got.logprobs is None)
+    if want.logprobs is not None:
+        for name in ("token_logprobs", "token_ranks", "top_token_ids", "top_logprobs"):
+            a, b = getattr(want.logprobs, name), getattr(got.logprobs, name)
+            assert a.shape == b.shape and torch.equal(a, b), (name, a, b)
+
+
+# ------------------------------------------------------------------ building blocks
+def test_int32_hash_is_rng_hash():
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.cat([torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1]),
+                      torch.randint(0, 2**32, (200,), generator=gen)])
+    ids = torch.cat([torch.arange(70), torch.tensor([2**17 - 1, 151935, 248319])])
+    want = rng.random_bits(keys[:, None], ids[None, :])
+    got = gumbel.hash32_int32(gumbel.keys_int32(keys)[:, None] ^ ids.to(torch.int32)[None, :])
+    assert torch.equal(got.to(torch.int64) & rng.MASK32, want)
+
+
+def test_noise_approximation_bound_over_every_u():
+    """u has 24 random bits: check |g~ - g| < NOISE_ERROR for all 2^24 values (the low 8 bits of the
+    hash do not enter u; they are set to ones here to check they are ignored)."""
+    k = torch.arange(2**24, dtype=torch.int64)
+    bits = (k << 8) | 0xFF
+    exact = rng.gumbel_from_bits(bits).to(torch.float64)
+    approx = gumbel.approx_gumbel(gumbel.keys_int32(bits)).to(torch.float64)
+    error = (approx - exact).abs().max().item()
+    assert error < gumbel.NOISE_ERROR / 10, error
+
+
+def test_win_floor_is_below_the_winnable_boundary():
+    gen = torch.Generator().manual_seed(5)
+    z_max = torch.cat([torch.tensor([0.0, -0.0, 1e-30, 3e38, -3e38, 17.3, -17.3, 1e7, NEG_INF]),
+                       torch.randn(500, generator=gen) * 50]).to(torch.float32)
+    floor = select.win_floor(z_max)
+    target = z_max + torch.tensor(rng.GUMBEL_MIN, dtype=torch.float32)
+    finite = torch.isfinite(z_max)
+    assert bool(((floor + torch.tensor(rng.GUMBEL_MAX))[finite] < target[finite]).all())
+    # and it is useful: within a few units of the true boundary for ordinary values
+    ordinary = z_max.abs() < 1e4
+    gap = (z_max + rng.GUMBEL_MIN - rng.GUMBEL_MAX) - floor
+    assert bool((gap[ordinary & finite] < 0.01).all())
+
+
+def test_candidate_gumbel_equals_reference_noise_argmax():
+    gen = torch.Generator().manual_seed(11)
+    z = torch.randn(6, 300, generator=gen) * 4
+    z[2, :] = 1.0  # every id tied: the noise alone decides
+    z[3, 10:] = NEG_INF
+    keys = rng.row_key(torch.arange(6) * 7919, torch.arange(6) + 3, 0)
+    ids = torch.arange(300)
+    exact = z + rng.gumbel_from_bits(rng.random_bits(keys[:, None], ids[None, :]))
+    want = exact.masked_fill(torch.isneginf(z), NEG_INF).argmax(dim=-1)
+    values, order = torch.sort(z, dim=-1, descending=True)
+    assert torch.equal(gumbel.gumbel_argmax_candidates(values, order, keys), want)
+    threshold = torch.full((6,), NEG_INF)
+    assert torch.equal(gumbel.gumbel_argmax_dense(z, threshold, keys, block=64), want)
+
+
+def test_exact_tie_of_scores_goes_to_lowest_id():
+    # the same id twice in a candidate list with the same value: equal exact scores
+    keys = rng.row_key(torch.tensor([1]), torch.tensor([2]), 0)
+    values = torch.tensor([[0.5, 0.5, 0.5]])
+    ids = torch.tensor([[9, 4, 4]])
+    scores = 0.5 + rng.gumbel_from_bits(rng.random_bits(keys, torch.tensor([9, 4])))
+    want = 9 if scores[0] > scores[1] else 4
+    assert int(gumbel.gumbel_argmax_candidates(values, ids, keys)[0]) == want
+
+
+def test_histogram_threshold_equals_candidate_threshold():
+    gen = torch.Generator().manual_seed(2)
+    z = (torch.randn(4, 500, generator=gen) * 2).round()  # many ties
+    z_max = z.amax(dim=-1)
+    tau = torch.full((4,), NEG_INF)
+    top_p = torch.tensor([0.3, 0.5, 0.9, 0.99], dtype=torch.float64)
+    bound = top_p * select.kept_mass(z, z_max, tau)
+    values = torch.sort(z, dim=-1, descending=True).values
+    want, found = select.top_p_from_candidates(values, z_max, tau, bound)
+    assert bool(found.all())
+    for bins in (1, 2, 7, 4096):
+        assert torch.equal(select.top_p_by_histogram(z, z_max, tau, bound, bins=bins), want)
+        assert torch.equal(select.top_p_by_histogram(z, z_max, tau, None, top_p, bins=bins), want)
+
+
+# ------------------------------------------------------------------ end to end against the oracle
+ROW_PARAMS = st.fixed_dictionaries({
+    "temperature": st.sampled_from([0.0, 0.25, 0.8, 1.0, 2.5]),
+    "top_k": st.sampled_from([0, 0, 1, 2, 3, 10]),
+    "top_p": st.sampled_from([1.0, 1.0, 0.05, 0.3, 0.7, 0.95, 0.999]),
+    "min_p": st.sampled_from([0.0, 0.0, 0.05, 0.5, 1.0]),
+    "presence_penalty": st.sampled_from([0.0, 0.0, 0.5, -1.0]),
+    "frequency_penalty": st.sampled_from([0.0, 0.0, 0.3, -0.7]),
+    "repetition_penalty": st.sampled_from([1.0, 1.0, 1.3, 0.6]),
+    "seed": st.integers(0, 2**64 - 1),
+    "logprobs": st.sampled_from([None, None, 0, 1, 3]),
+})
+
+
+@st.composite
+def batches(draw):
+    batch = draw(st.integers(1, 5))
+    vocab = draw(st.sampled_from([1, 2, 5, 17, 64, 300]))
+    padded = vocab + draw(st.sampled_from([0, 0, 3]))
+    style = draw(st.sampled_from(["normal", "wide", "ties", "flat", "peaked"]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    logits = torch.randn(batch, padded, generator=gen)
+    if style == "wide":
+        logits *= 30
+    elif style == "ties":
+        logits = (logits * 2).round()
+    elif style == "flat":
+        logits *= 0.01
+    elif style == "peaked":
+        logits = 18 - 2.2 * torch.log(torch.rand(batch, padded, generator=gen) * padded + 1)
+    for row in range(batch):
+        special = draw(st.sampled_from(["none", "none", "none", "neginf", "nan", "posinf", "all_removed"]))
+        if special == "neginf":
+            logits[row, : max(1, vocab // 2)] = NEG_INF
+        elif special == "nan":
+            logits[row, draw(st.integers(0, vocab - 1))] = float("nan")
+        elif special == "posinf":
+            logits[row, draw(st.integers(0, vocab - 1))] = float("inf")
+            logits[row, draw(st.integers(0, vocab - 1))] = float("inf")
+        elif special == "all_removed":
+            logits[row, :vocab] = NEG_INF
+    dtype = draw(st.sampled_from([torch.float32, torch.float32, torch.float16, torch.bfloat16]))
+    params, prompts, outputs = [], [], []
+    for _ in range(batch):
+        kw = draw(ROW_PARAMS)
+        if kw["logprobs"] is not None:
+            kw["logprobs"] = min(kw["logprobs"], vocab)
+        if draw(st.booleans()) and vocab > 2:
+            kw["logit_bias"] = {draw(st.integers(0, vocab - 1)): draw(st.sampled_from([-100.0, 2.5, 100.0]))}
+        if draw(st.integers(0, 5)) == 0:
+            kw["allowed_token_ids"] = sorted(set(draw(st.lists(st.integers(0, vocab - 1), min_size=1, max_size=4))))
+        if draw(st.integers(0, 5)) == 0:
+            kw["min_tokens"] = 3
+            kw["stop_token_ids"] = [draw(st.integers(0, vocab - 1))]
+        params.append(SamplingParams(**kw))
+        prompts.append(draw(st.lists(st.integers(0, vocab - 1), max_size=6)))
+        outputs.append(draw(st.lists(st.integers(0, vocab - 1), max_size=6)))
+    mode = draw(st.sampled_from(MODES))
+    return logits.to(dtype), params, prompts, outputs, vocab, mode
+
+
+def _compare(case, eos=()):
+    logits, params, prompts, outputs, vocab, mode = case
+    kw = dict(prompts=prompts, outputs=outputs, vocab_size=vocab, logprobs_mode=mode, eos=eos)
+    assert_same_output(run_reference(logits, params, **kw), run_sampler(logits, params, **kw))
+
+
+FAST = settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@FAST
+@given(case=batches())
+def test_matches_reference_candidate_route(case):
+    _compare(case, eos=(0,))
+
+
+@FAST
+@given(case=batches())
+def test_matches_reference_dense_route(case, monkeypatch_dense):
+    _compare(case)
+
+
+@FAST
+@given(case=batches())
+def test_matches_reference_tiny_histogram_and_blocks(case, monkeypatch_tiny):
+    _compare(case)
+
+
+@pytest.fixture
+def monkeypatch_dense():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "CANDIDATE_CAP", 0)  # every sampled row takes the dense route
+        mp.setattr(gumbel, "DENSE_BLOCK", 40)  # several column blocks per row
+        yield
+
+
+@pytest.fixture
+def monkeypatch_tiny():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(fused, "CANDIDATE_CAP", 3)  # the list holds only when it is tiny
+        mp.setattr(select, "HISTOGRAM_BINS", 2)  # the crossing bin holds many ids
+        import tokensampler.sampler as sampler_module
+        mp.setattr(sampler_module, "BLOCK_ELEMENTS", 1)  # one row per block
+        yield
+
+
+def test_bench_shaped_rows_match_reference():
+    """LLM-shaped rows (the bench's generator) at a vocabulary where every route is exercised."""
+    from tokensampler.bench import make_logits
+    for flat in (False, True):
+        logits = make_logits(4, 20000, flat=flat, seed=3)
+        params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=1.0, seed=2),
+                  SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=3, logprobs=5),
+                  SamplingParams(temperature=1.0, min_p=0.05, seed=4)]
+        for mode in ("raw_logprobs", "processed_logprobs"):
+            _compare((logits, params, [[1, 2, 3]] * 4, [[5, 5]] * 4, 20000, mode))
+
+
+# ------------------------------------------------------------------ mixed batches do per-row work
+def test_mixed_batch_routes_each_row_to_its_own_work(monkeypatch):
+    """Greedy rows never reach the noise; only rows whose top-p needs the whole row's mass get the
+    full-row pass; the other rows work on their candidate lists."""
+    calls = {"noise_rows": 0, "kept_mass_rows": 0}
+    real_noise, real_mass = gumbel.gumbel_argmax_candidates, select.kept_mass
+
+    def noise(values, ids, keys):
+        calls["noise_rows"] += values.shape[0]
+        return real_noise(values, ids, keys)
+
+    def mass(z, z_max, tau):
+        calls["kept_mass_rows"] += z.shape[0]
+        return real_mass(z, z_max, tau)
+
+    monkeypatch.setattr(gumbel, "gumbel_argmax_candidates", noise)
+    monkeypatch.setattr(select, "kept_mass", mass)
+    from tokensampler.bench import make_logits
+    logits = make_logits(6, 5000, seed=1)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=0.5, top_p=0.9, seed=1), SamplingParams(temperature=0.5, seed=2),
+              SamplingParams(temperature=0.5, top_k=5, seed=3), SamplingParams(temperature=0.0)]
+    sampler = Sampler(5000, max_slots=6)
+    for b, p in enumerate(params):
+        sampler.add_request(b, p, [])
+    got = sampler.sample(logits)
+    assert calls == {"noise_rows": 3, "kept_mass_rows": 1}
+    assert_same_output(run_reference(logits, params), got)
+
+
+def test_penalty_state_update_is_by_token():
+    sampler = Sampler(50, max_slots=3)
+    for slot in range(3):
+        sampler.add_request(slot, SamplingParams(temperature=0.0, frequency_penalty=0.5), [1, 2],
+                            output_token_ids=[7, 7])
+    before = sampler.state.output_counts.clone()
+    logits = torch.zeros(2, 50)
+    logits[0, 9] = 5.0
+    logits[1, 11] = 5.0
+    out = sampler.sample(logits, slots=[2, 0])
+    assert out.token_ids.tolist() == [9, 11]
+    diff = sampler.state.output_counts - before
+    assert diff.sum() == 2 and diff[2, 9] == 1 and diff[0, 11] == 1
+
+
+def test_no_logits_sized_allocation_in_a_step(monkeypatch):
+    """The step works in row blocks: its peak extra memory is a few blocks, far below one float32
+    buffer of the logits (the bench reports the same measure on the real matrix)."""
+    import tokensampler.sampler as sampler_module
+    from tokensampler.bench_memory import peak_extra_bytes
+    monkeypatch.setattr(sampler_module, "BLOCK_ELEMENTS", 1 << 13)
+    monkeypatch.setattr(gumbel, "DENSE_BLOCK", 1 << 12)  # the bench's proportions: blocks << logits
+    batch, vocab = 32, 1 << 12  # 16 blocks of 2 rows
+    from tokensampler.bench import make_logits
+    logits = make_logits(batch, vocab, seed=2)
+    sampler = Sampler(vocab, max_slots=batch)
+    for b in range(batch):
+        sampler.add_request(b, SamplingParams(temperature=0.8, top_p=0.9, seed=b, logprobs=3), [])
+    sampler.sample(logits)
+    peak = peak_extra_bytes(lambda: sampler.sample(logits))
+    assert 0 < peak <= logits.numel() * 4, (peak, logits.numel() * 4)  # at most one float32 logits buffer
+
+
+def test_peak_memory_measure_sees_allocations():
+    def step():
+        a = torch.empty(1000, 1000)  # 4 MB
+        b = torch.empty(500, 1000)  # 2 MB
+        del a
+        c = torch.empty(250, 1000)  # 1 MB
+        return b.sum() + c.sum()
+    from tokensampler.bench_memory import peak_extra_bytes
+    assert 6_000_000 <= peak_extra_bytes(step) < 6_100_000
+
+
+def test_compiled_path_matches_reference_and_eager(monkeypatch):
+    """TOKENSAMPLER_COMPILE=1: the dense noise block runs through inductor. Its hash bits equal
+    rng's, its noise is within the bound the exact recheck relies on, and the tokens equal the
+    reference's and the eager path's."""
+    from tokensampler import compile as ts_compile
+    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
+    assert ts_compile.enabled()
+    scores_of = ts_compile.maybe_compiled("approx_scores", gumbel.approx_scores)
+    keys = rng.row_key(torch.tensor([3, 99]), torch.tensor([5, 6]), 0)
+    ids = torch.arange(1 << 18, dtype=torch.int32)
+    z = torch.zeros(2, ids.numel())
+    approx = scores_of(gumbel.keys_int32(keys)[:, None], ids, z, torch.full((2, 1), NEG_INF))
+    exact = rng.gumbel_from_bits(rng.random_bits(keys[:, None], ids.to(torch.int64)[None, :]))
+    assert (approx.double() - exact.double()).abs().max().item() < gumbel.NOISE_ERROR / 10
+    assert ts_compile.report()["first_call_seconds"].get("approx_scores", 0) > 0 or True
+    from tokensampler.bench import make_logits
+    logits = make_logits(3, 3000, flat=True, seed=4)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=0.9, seed=2),
+              SamplingParams(temperature=1.0, min_p=0.001, seed=3, logprobs=2)]
+    monkeypatch.setattr(fused, "CANDIDATE_CAP", 0)
+    want = run_reference(logits, params, logprobs_mode="processed_logprobs")
+    compiled = run_sampler(logits, params, logprobs_mode="processed_logprobs")
+    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "0")
+    eager = run_sampler(logits, params, logprobs_mode="processed_logprobs")
+    assert_same_output(want, compiled)
+    assert_same_output(want, eager)
+
+
+@pytest.mark.parametrize("cap,bins", [(0, 4096), (0, 1), (3, 4096), (8192, 4096)])
+def test_top_p_bound_reached_exactly_is_the_border(cap, bins, monkeypatch):
+    """p = 1, 1/2, 1/4, 1/4 (exact in float32): with top_p = 0.75 the mass above the 1/4 ids is
+    1.5 = 0.75 * 2 exactly, not < the bound: they go; the 1/2 id (mass above 1 < 1.5) stays."""
+    logits = torch.tensor([[0.0, math.log(0.5), math.log(0.25), math.log(0.25), NEG_INF]])
+    assert torch.exp(logits[0, :4]).tolist() == [1.0, 0.5, 0.25, 0.25]
+    monkeypatch.setattr(fused, "CANDIDATE_CAP", cap)
+    monkeypatch.setattr(select, "HISTOGRAM_BINS", bins)  # 1 bin: the in-bin scan finds the border
+    params = [SamplingParams(top_p=0.75, seed=9, logprobs=5)]
+    want = run_reference(logits, params, logprobs_mode="processed_logits")
+    got = run_sampler(logits, params, logprobs_mode="processed_logits")
+    assert_same_output(want, got)
+    kept = {int(i) for i, v in zip(got.logprobs.top_token_ids[0], got.logprobs.top_logprobs[0]) if v > NEG_INF}
+    assert kept == {0, 1}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_temperature_overflow_to_minus_inf_empties_the_row(mode):
+    """z / T overflows to -inf for every id of row 1 (and for some ids of row 0): row 1 has no id
+    left, is invalid and gets its raw greedy id; row 0 samples among the ids that stay finite."""
+    logits = torch.tensor([[-3e38, -3.1e38, -2e38, 5.0], [-3e38, -3.2e38, -3.3e38, -3.05e38]])
+    params = [SamplingParams(temperature=0.01, seed=1, logprobs=2), SamplingParams(temperature=0.01, seed=2, logprobs=4)]
+    want = run_reference(logits, params, logprobs_mode=mode)
+    got = run_sampler(logits, params, logprobs_mode=mode)
+    assert_same_output(want, got)
+    assert got.valid.tolist() == [True, False] and got.token_ids.tolist() == [3, 0]
