@@ -28,6 +28,7 @@ import torch
 
 from . import kernels, rng
 from .ops import fused, logprobs, masking, penalties
+from .ops.argmax import first_argmax
 from .output import LogprobsOutput, SamplerOutput
 from .params import (INT64_MIN, UINT64_MAX, InvalidSamplingParams, SamplingParams, check_params_for_vocab,
                      check_token_ids)
@@ -324,7 +325,7 @@ class Sampler:
         """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no
         copy (+inf is a maximum; a NaN found there sends the batch to the general path)."""
         real = logits[:, :self.vocab_size]
-        torch.argmax(real, dim=-1, out=tokens)
+        tokens.copy_(first_argmax(real))
         best = real.gather(-1, tokens[:, None]).squeeze(-1)
         valid.copy_(best > float("-inf"))  # all -inf: argmax gives 0, the raw greedy id; NaN: False here
 
@@ -347,7 +348,7 @@ class Sampler:
         slots = index[start:stop]
         z = masking.prepare_logits_into(self._workspace(stop - start), logits[start:stop])
         may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
-        raw_argmax = z.argmax(dim=-1) if may_empty else None  # NaN already -inf; +inf counts as max
+        raw_argmax = first_argmax(z) if may_empty else None  # NaN already -inf; +inf counts as max
         if any(p.allowed_token_ids is not None for p in block_params):
             masking.remove_disallowed(z, st.allowed_mask[slots])
         if any(p.min_tokens > 0 for p in block_params) and st.stop_mask is not None:
@@ -369,7 +370,7 @@ class Sampler:
         block_tokens = torch.zeros(stop - start, dtype=torch.int64, device=z.device)
         greedy = [b for b, p in enumerate(block_params) if p.greedy and valid_host[b]]
         if greedy:
-            block_tokens[greedy] = z[greedy].argmax(dim=-1)
+            block_tokens[greedy] = first_argmax(z[greedy])
         sampled = [b for b, p in enumerate(block_params) if not p.greedy and valid_host[b]]
         processed = self.logprobs_mode.startswith("processed") and result is not None
         if sampled:
@@ -381,7 +382,7 @@ class Sampler:
                 block_valid[gone] = False
                 z[gone] = float("-inf")  # their processed values: z / T, every one -inf
                 if raw_argmax is None:
-                    raw_argmax = masking.prepare_logits(logits[start:stop], self.vocab_size).argmax(dim=-1)
+                    raw_argmax = first_argmax(masking.prepare_logits(logits[start:stop], self.vocab_size))
         if sampled:
             block_tokens[sampled] = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
         if raw_argmax is not None:
