@@ -217,7 +217,7 @@ def monkeypatch_tiny():
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(fused, "CANDIDATE_CAP", 3)  # the list holds only when it is tiny
         mp.setattr(select, "HISTOGRAM_BINS", 2)  # the crossing bin holds many ids
-        import tokensampler.sampler as sampler_module
+        import tokensampler.torch_step as sampler_module
         mp.setattr(sampler_module, "BLOCK_ELEMENTS", 1)  # one row per block
         yield
 
@@ -282,7 +282,7 @@ def test_penalty_state_update_is_by_token():
 def test_no_logits_sized_allocation_in_a_step(monkeypatch):
     """The step works in row blocks: its peak extra memory is a few blocks, far below one float32
     buffer of the logits (the bench reports the same measure on the real matrix)."""
-    import tokensampler.sampler as sampler_module
+    import tokensampler.torch_step as sampler_module
     from tokensampler.bench_memory import peak_extra_bytes
     monkeypatch.setattr(sampler_module, "BLOCK_ELEMENTS", 1 << 13)
     monkeypatch.setattr(gumbel, "DENSE_BLOCK", 1 << 12)  # the bench's proportions: blocks << logits

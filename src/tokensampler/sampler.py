@@ -1,102 +1,34 @@
 """`Sampler`: one sampling step for a batch of slots, with the per-slot state it keeps.
 
-The step follows the definition (docs/semantics.md) without sorting the vocabulary
-(docs/cpu-fast-path.md). The batch is cut into row blocks of about `BLOCK_ELEMENTS` logits, each
-copied once into a reused float32 workspace and finished while it is in cache:
+`sample` checks the call, plans the step on the host (`plan_step`), runs it on one backend and then
+counts each token into its slot's history (step 13 of docs/semantics.md):
 
-1. float32 logits, padding and NaN removed                     `masking.prepare_logits_into`
-3. allowed ids; stop and EOS ids below min_tokens               `remove_disallowed`, `remove_stop_ids`
-4. logit bias (rows that have one)                              `z + bias`
-5. penalties (penalised rows, at the ids they have seen)        `penalties.apply_penalties_rows_`
-6. greedy rows: lowest id among the maxima                      `argmax` (no copy if nothing to edit)
-7.-11. temperature, min-p, top-k, top-p as one threshold per row, Gumbel argmax with exact noise
-   only where a token can still win                             `fused.sample_rows`
-2./12. raw or processed logprobs, rows that asked               `logprobs.gather_logprobs`
-13. the token is counted into the slot's history, its position advances   `SamplerState.record_tokens`
+- CUDA logits with Triton available: the fused kernels (`kernels.launcher.KernelStep`);
+- a vocabulary split over a process group: `distributed.VocabSplit`;
+- otherwise the torch step (`torch_step.TorchStep`, sort-free, docs/cpu-fast-path.md).
 
-Which steps run is planned on the host from the admitted parameters (`plan_step`); on a CPU the
-step reads small per-row results back to choose routes (documented in docs/cpu-fast-path.md).
+Admission (`add_request`) and the slot-state methods the engine contract uses (`set_params`,
+`set_noise`, `reset_history`) check everything before any state changes.
 """
 
 from __future__ import annotations
 
 import secrets
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 
 from . import kernels, rng
-from .ops import fused, logprobs, masking, penalties
-from .ops.argmax import first_argmax
-from .output import LogprobsOutput, SamplerOutput
+from .output import SamplerOutput
 from .params import (INT64_MIN, UINT64_MAX, InvalidSamplingParams, SamplingParams, check_params_for_vocab,
                      check_token_ids)
 from .reference import LOGPROBS_MODES
+from .plan import StepPlan, plan_step  # noqa: F401  (re-exported: the plan is part of the sampler's API)
 from .state import SamplerState
+from .torch_step import TorchStep
 
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-BLOCK_ELEMENTS = 1 << 21  # elements per row block of the step (a few MB: measured best on 2 cores)
 
-
-def _has_penalties(p: SamplingParams) -> bool:
-    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-
-
-def _plain_greedy(p: SamplingParams) -> bool:
-    return (p.greedy and not _has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
-            and p.min_tokens == 0)
-
-
-def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
-    return [b for b, p in enumerate(rows) if pred(p)]
-
-
-def _blocks(positions: list[int], size: int) -> list[list[int]]:
-    """`positions` cut into consecutive blocks of at most `size`."""
-    return [positions[i:i + size] for i in range(0, len(positions), size)]
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What a step must do, decided on the host from the rows' parameters."""
-
-    greedy_rows: list[int]
-    sampled_rows: list[int]
-    penalties: bool
-    logit_bias: bool
-    allowed_ids: bool
-    min_tokens: bool
-    min_p: bool
-    top_k: bool
-    top_p: bool
-    num_logprobs: list[int]  # -1 = row did not ask
-    logprobs_width: int
-
-    @property
-    def wants_logprobs(self) -> bool:
-        return any(n >= 0 for n in self.num_logprobs)
-
-
-def plan_step(rows: Sequence[SamplingParams], vocab_size: int) -> StepPlan:
-    """The step plan for rows with these parameters (no device access)."""
-    sampled = [b for b, p in enumerate(rows) if not p.greedy]
-    num_logprobs = [-1 if p.logprobs is None else (vocab_size if p.logprobs == -1 else min(p.logprobs, vocab_size))
-                    for p in rows]
-    return StepPlan(
-        greedy_rows=[b for b, p in enumerate(rows) if p.greedy],
-        sampled_rows=sampled,
-        penalties=any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-                      for p in rows),
-        logit_bias=any(p.logit_bias for p in rows),
-        allowed_ids=any(p.allowed_token_ids is not None for p in rows),
-        min_tokens=any(p.min_tokens > 0 for p in rows),
-        min_p=any(rows[b].min_p > 0.0 for b in sampled),
-        top_k=any(rows[b].top_k > 0 for b in sampled),
-        top_p=any(rows[b].top_p < 1.0 for b in sampled),
-        num_logprobs=num_logprobs,
-        logprobs_width=max(num_logprobs, default=-1),
-    )
 
 
 class Sampler:
@@ -135,12 +67,12 @@ class Sampler:
         self.logprobs_mode = logprobs_mode
         self.max_logprobs = max_logprobs
         self.eos_token_ids = tuple(eos_token_ids)
-        self._z_workspace: torch.Tensor | None = None
         self._split = None
         if group is not None:  # vocabulary split: the slice's state and step live in distributed.py
             from .distributed import VocabSplit
             self._split = VocabSplit(self, group)
         self.state = SamplerState(max_slots, vocab_size, self.device) if self._split is None else self._split.state
+        self._torch_step = TorchStep(self.state, vocab_size, logprobs_mode, self.device)
         self._kernel_step = None  # the Triton step (kernels/), made on first use
 
     # ---------------------------------------------------------------- admission
@@ -285,7 +217,7 @@ class Sampler:
         if kernels.use_kernels(logits, plan.logprobs_width):
             return self._kernels().run(logits, slot_list, plan, record)
         index = torch.tensor(slot_list, dtype=torch.int64, device=self.device)
-        out = self._run(logits, index, plan)
+        out = self._torch_step.run(logits, index, plan)
         self.state.record_tokens(index, out.token_ids, record)
         return out
 
@@ -295,146 +227,6 @@ class Sampler:
             from .kernels.launcher import KernelStep
             self._kernel_step = KernelStep(self)
         return self._kernel_step
-
-    def _run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
-        """Steps 1-12, one block of consecutive rows at a time (cache-sized: every pass over a block
-        runs from cache, and no buffer of the logits' size is ever allocated)."""
-        batch = logits.shape[0]
-        device = logits.device
-        rows = [self.state.params[s] for s in index.tolist()]
-        tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-        valid = torch.ones(batch, dtype=torch.bool, device=device)
-        result = None
-        if plan.wants_logprobs:
-            width = max(plan.logprobs_width, 0)
-            result = LogprobsOutput(torch.zeros(batch, dtype=torch.float32, device=device),
-                                    torch.zeros(batch, dtype=torch.int64, device=device),
-                                    torch.full((batch, width), -1, dtype=torch.int64, device=device),
-                                    torch.full((batch, width), float("-inf"), dtype=torch.float32, device=device))
-        if all(_plain_greedy(p) for p in rows) and not plan.wants_logprobs:
-            self._run_plain_greedy(logits, tokens, valid)
-            if bool(valid.all()):
-                return SamplerOutput(tokens, valid, None)
-        size = self._block_rows
-        for start in range(0, batch, size):
-            stop = min(batch, start + size)
-            self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result)
-        return SamplerOutput(tokens, valid, result)
-
-    def _run_plain_greedy(self, logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
-        """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no
-        copy (+inf is a maximum; a NaN found there sends the batch to the general path)."""
-        real = logits[:, :self.vocab_size]
-        tokens.copy_(first_argmax(real))
-        best = real.gather(-1, tokens[:, None]).squeeze(-1)
-        valid.copy_(best > float("-inf"))  # all -inf: argmax gives 0, the raw greedy id; NaN: False here
-
-    @property
-    def _block_rows(self) -> int:
-        """Rows per block: about BLOCK_ELEMENTS logits."""
-        return max(1, BLOCK_ELEMENTS // self.vocab_size)
-
-    def _workspace(self, num_rows: int) -> torch.Tensor:
-        """The block's float32 `z`, reused from step to step (no allocation on the fast path)."""
-        if self._z_workspace is None or self._z_workspace.shape[0] < num_rows:
-            self._z_workspace = torch.empty((num_rows, self.vocab_size), dtype=torch.float32, device=self.device)
-        return self._z_workspace[:num_rows]
-
-    def _run_block(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
-                   plan: StepPlan, start: int, stop: int, tokens: torch.Tensor, valid: torch.Tensor,
-                   result: LogprobsOutput | None) -> None:
-        st = self.state
-        block_params = rows[start:stop]
-        slots = index[start:stop]
-        z = masking.prepare_logits_into(self._workspace(stop - start), logits[start:stop])
-        may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
-        raw_argmax = first_argmax(z) if may_empty else None  # NaN already -inf; +inf counts as max
-        if any(p.allowed_token_ids is not None for p in block_params):
-            masking.remove_disallowed(z, st.allowed_mask[slots])
-        if any(p.min_tokens > 0 for p in block_params) and st.stop_mask is not None:
-            masking.remove_stop_ids(z, st.stop_mask[slots], st.output_len[slots] < st.min_tokens[slots])
-        biased = _positions(block_params, lambda p: bool(p.logit_bias))
-        if biased:
-            z[biased] += st.logit_bias[slots[biased]]
-        penalised = _positions(block_params, _has_penalties)
-        if penalised:
-            slot_list = slots.tolist()
-            penalties.apply_penalties_rows_(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
-                                            st.output_counts, st.repetition, st.frequency, st.presence)
-        z_max = z.amax(dim=-1)
-        if bool(torch.isposinf(z_max).any()):
-            masking.saturate_posinf(z)
-            z_max = z.amax(dim=-1)
-        block_valid = z_max > float("-inf")
-        valid_host = block_valid.tolist()
-        block_tokens = torch.zeros(stop - start, dtype=torch.int64, device=z.device)
-        greedy = [b for b, p in enumerate(block_params) if p.greedy and valid_host[b]]
-        if greedy:
-            block_tokens[greedy] = first_argmax(z[greedy])
-        sampled = [b for b, p in enumerate(block_params) if not p.greedy and valid_host[b]]
-        processed = self.logprobs_mode.startswith("processed") and result is not None
-        if sampled:
-            # step 7 may overflow every id of a row to -inf (tiny T): such a row has no id left
-            dead = torch.isneginf(z_max[sampled] / st.temperature[slots[sampled]]).tolist()
-            if any(dead):
-                gone = [b for b, d in zip(sampled, dead) if d]
-                sampled = [b for b, d in zip(sampled, dead) if not d]
-                block_valid[gone] = False
-                z[gone] = float("-inf")  # their processed values: z / T, every one -inf
-                if raw_argmax is None:
-                    raw_argmax = first_argmax(masking.prepare_logits(logits[start:stop], self.vocab_size))
-        if sampled:
-            block_tokens[sampled] = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
-        if raw_argmax is not None:
-            block_tokens = torch.where(block_valid, block_tokens, raw_argmax)
-        tokens[start:stop] = block_tokens
-        valid[start:stop] = block_valid
-        if result is not None:
-            self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, result)
-
-    def _sample_rows(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
-                     block_params: list[SamplingParams], sampled: list[int], processed: bool) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block."""
-        st = self.state
-        everyone = len(sampled) == z.shape[0]
-        zs = z if everyone else z[sampled]
-        params = [block_params[b] for b in sampled]
-        s = slots if everyone else slots[sampled]
-        cols = fused.RowColumns(
-            temperature=st.temperature[s], min_p=st.min_p[s], top_k=st.top_k[s], top_p=st.top_p[s],
-            keys=rng.row_key(st.seed[s], st.position[s], st.stream[s]),
-            any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params))
-        tokens, tau = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed)
-        if processed:  # step 12 reads the kept set: every other id at -inf
-            zs.masked_fill_(zs < tau[:, None], float("-inf"))
-            if not everyone:
-                z[sampled] = zs
-        return tokens
-
-    def _logprobs(self, logits: torch.Tensor, final: torch.Tensor | None, tokens: torch.Tensor,
-                  plan: StepPlan, start: int, stop: int, result: LogprobsOutput) -> None:
-        """Step 2/12 for the rows [start, stop) that asked: raw modes rebuild the raw scores from
-        `logits`, processed modes read the block's final `z`."""
-        asked = [b for b in range(stop - start) if plan.num_logprobs[start + b] >= 0]
-        if not asked:
-            return
-        if final is None:
-            rows = logits[start:stop] if len(asked) == stop - start else logits[start:stop][asked]
-            scores = rows[:, :self.vocab_size]
-            top = scores.amax(dim=-1)  # NaN or +inf anywhere in the rows: the float32 copy with its rules
-            if scores.dtype != torch.float32 or not bool(torch.isfinite(top).all()):
-                scores = masking.saturate_posinf(masking.prepare_logits(rows, self.vocab_size))
-        else:
-            scores = final[asked]
-        values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
-        num = torch.tensor([plan.num_logprobs[start + b] for b in asked], dtype=torch.int64, device=tokens.device)
-        part = logprobs.gather_logprobs(scores, values, tokens[asked], num, result.top_token_ids.shape[1])
-        where = [start + b for b in asked]
-        result.token_logprobs[where] = part.token_logprobs
-        result.token_ranks[where] = part.token_ranks
-        result.top_token_ids[where] = part.top_token_ids
-        result.top_logprobs[where] = part.top_logprobs
 
     # ---------------------------------------------------------------- checks
     def _check_record(self, record: torch.Tensor | None, batch: int) -> None:
