@@ -31,7 +31,7 @@ import torch
 from .distributed_groups import Exchange, SamplingDP, TorchExchange, as_exchange, sampling_dp
 from .ops import distributed_select as sel
 from .output import SamplerOutput
-from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
+from .params import InvalidSamplingParams, SamplingParams
 from .state import SamplerState
 
 if TYPE_CHECKING:
@@ -163,18 +163,8 @@ class VocabSplit:
         sampler = self.sampler
         error, fingerprint, drawn = None, 0, 0
         try:
-            sampler._check_slot(slot)
-            if not isinstance(params, SamplingParams):
-                raise InvalidSamplingParams("params", params, "a SamplingParams")
-            check_params_for_vocab(params, self.vocab_size, sampler.max_logprobs)
-            prompt = sampler._token_list("prompt_token_ids", prompt_token_ids)
-            outputs = sampler._token_list("output_token_ids", output_token_ids)
-            if position is None:
-                position = len(prompt) + len(outputs)
-            if not isinstance(position, int) or not 0 <= position < 2**32:
-                raise InvalidSamplingParams("position", position, "an int in [0, 2^32)")
-            if not isinstance(stream, int) or not 0 <= stream < 2**32:
-                raise InvalidSamplingParams("stream", stream, "an int in [0, 2^32)")
+            prompt, outputs, position = sampler._check_request(slot, params, prompt_token_ids, output_token_ids,
+                                                               position, stream)
             fingerprint = _fingerprint(slot, _params_key(params), prompt, outputs, position, stream)
             drawn = secrets.randbits(63)
         except Exception as exc:  # noqa: BLE001 - raised after the all-gather, so no rank is left waiting

@@ -88,6 +88,16 @@ class Sampler:
         if self._split is not None:
             return self._split.add_request(slot, params, prompt_token_ids, output_token_ids=output_token_ids,
                                            position=position, stream=stream)
+        prompt, outputs, position = self._check_request(slot, params, prompt_token_ids, output_token_ids,
+                                                        position, stream)
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids)
+        return seed
+
+    def _check_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int],
+                       output_token_ids: Sequence[int], position: int | None,
+                       stream: int) -> tuple[list[int], list[int], int]:
+        """`add_request`'s checks (no state change): returns (prompt, outputs, position)."""
         self._check_slot(slot)
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParams("params", params, "a SamplingParams")
@@ -100,9 +110,7 @@ class Sampler:
             raise InvalidSamplingParams("position", position, "an int in [0, 2^32)")
         if not isinstance(stream, int) or not 0 <= stream < 2**32:
             raise InvalidSamplingParams("stream", stream, "an int in [0, 2^32)")
-        seed = params.seed if params.seed is not None else secrets.randbits(63)
-        self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids)
-        return seed
+        return prompt, outputs, position
 
     def set_params(self, slot: int, params: SamplingParams) -> None:
         """Replace the parameters of an occupied `slot`, keeping its seed, position and history."""
