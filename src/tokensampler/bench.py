@@ -15,9 +15,8 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Callable
 
 import torch
 
@@ -268,8 +267,3 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=1)
     return results
-
-
-def results_to_dicts(cases: tuple[BenchCase, ...] = WORKLOAD_MATRIX) -> list[dict]:
-    """The matrix as plain dicts (for other benchmark scripts)."""
-    return [asdict(c) for c in cases]

@@ -46,10 +46,6 @@ def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
     return [b for b, p in enumerate(rows) if pred(p)]
 
 
-def _blocks(positions: list[int], size: int) -> list[list[int]]:
-    """`positions` cut into consecutive blocks of at most `size`."""
-    return [positions[i:i + size] for i in range(0, len(positions), size)]
-
 
 
 class TorchStep:
@@ -201,4 +197,3 @@ class TorchStep:
         result.token_ranks[where] = part.token_ranks
         result.top_token_ids[where] = part.top_token_ids
         result.top_logprobs[where] = part.top_logprobs
-

@@ -148,15 +148,3 @@ def gumbel_argmax_dense(z: torch.Tensor, threshold: torch.Tensor, keys: torch.Te
     keep = approx >= (running - margin(running)).squeeze(-1)[rows]
     rows, ids = rows[keep], ids[keep]
     return _winners(rows, ids, z[rows, ids], keys, num_rows)
-
-
-def gumbel_argmax(z: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  streams: torch.Tensor) -> torch.Tensor:
-    """z: float32 [B, V] with removed ids at -inf; seeds, positions, streams: int64 [B].
-
-    Returns int64 [B]: per row the id with the largest z + g among ids with z > -inf, the lowest
-    id on ties (0 for a row with no id left).
-    """
-    keys = rng.row_key(seeds, positions, streams)
-    threshold = torch.full((z.shape[0],), NEG_INF, dtype=torch.float32, device=z.device)
-    return gumbel_argmax_dense(z, threshold, keys)
