@@ -20,11 +20,12 @@ import torch
 
 from . import rng
 from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
-from .generator_inputs import check_slots, positions_by_slot, token_rows
+from .generator_inputs import positions_by_slot, token_rows
 from .output import LogprobsOutput, SamplerOutput
 from .params import InvalidSamplingParams, SamplingParams, check_params_for_vocab
 from .sampler import Sampler
-from .seeds import POSITION_LIMIT, SeedManager, check_slot_remap, check_streams, rank_local_slot_remap
+from .seeds import (POSITION_LIMIT, SeedManager, check_slot_remap, check_slots, check_streams,
+                    rank_local_slot_remap)
 from .tracing import StepTracer, TraceKey, TraceMismatch
 
 __all__ = ["BatchSamplingParams", "NEUTRAL_PARAMS", "SamplingGenerator", "SeedManager", "StaleSamplingState",

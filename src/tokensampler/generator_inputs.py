@@ -5,7 +5,7 @@ any state changes): each returns the argument in the form the generator uses, or
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -13,15 +13,6 @@ from .params import InvalidSamplingParams
 from .seeds import POSITION_LIMIT
 
 
-def check_slots(name: str, slots: Sequence[int] | torch.Tensor, num_lanes: int) -> list[int]:
-    """Distinct ints in [0, num_lanes), as a list."""
-    slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
-    for slot in slot_list:
-        if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < num_lanes:
-            raise InvalidSamplingParams(name, slot, f"slots in [0, {num_lanes})")
-    if len(set(slot_list)) != len(slot_list):
-        raise InvalidSamplingParams(name, slot_list, "distinct slots")
-    return slot_list
 
 
 def token_rows(name: str, value: Any, rows: int, vocab_size: int) -> torch.Tensor:

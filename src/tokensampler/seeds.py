@@ -68,7 +68,8 @@ def rank_local_slot_remap(global_remap: Sequence[int] | torch.Tensor, lane: int,
     return check_slot_remap(local + list(range(lane_stride, local_width)), local_width)
 
 
-def _check_slots(name: str, slots: Sequence[int], num_slots: int) -> list[int]:
+def check_slots(name: str, slots: Sequence[int] | torch.Tensor, num_slots: int) -> list[int]:
+    """Distinct ints in [0, num_slots), as a list (raises `InvalidSamplingParams` naming `name`)."""
     slot_list = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
     for slot in slot_list:
         if isinstance(slot, bool) or not isinstance(slot, int) or not 0 <= slot < num_slots:
@@ -119,7 +120,7 @@ class SeedManager:
                    streams: Sequence[int] | None = None) -> list[int]:
         """New requests: `seeds[i]` (None or -1: draw one) goes to `slots[i]`, position 0, stream
         `streams[i]` (default 0). Returns the effective seeds, in request order."""
-        slot_list = _check_slots("slots", slots, self.num_slots)
+        slot_list = check_slots("slots", slots, self.num_slots)
         seed_list = [_check_seed(s) for s in seeds]
         if len(seed_list) != len(slot_list):
             raise InvalidSamplingParams("seeds", f"{len(seed_list)} seeds", f"one per slot ({len(slot_list)})")
@@ -136,7 +137,7 @@ class SeedManager:
         slot's drawn seed.
         Any other slot starts afresh (new seed, drawn if None, position 0, stream 0).
         Returns the effective seeds of `slots`."""
-        slot_list = _check_slots("slots", slots, self.num_slots)
+        slot_list = check_slots("slots", slots, self.num_slots)
         if len(seeds) < (max(slot_list) + 1 if slot_list else 0):
             raise InvalidSamplingParams("seeds", f"{len(seeds)} seeds", "one per slot, indexed by slot")
         wanted = {slot: _check_seed(seeds[slot]) for slot in slot_list}
@@ -159,7 +160,7 @@ class SeedManager:
 
     def align_seed_counters_to_positions(self, slots: Sequence[int], positions: Sequence[int]) -> None:
         """Set the position counter of `slots[i]` to `positions[i]` (the next token's position)."""
-        slot_list = _check_slots("slots", slots, self.num_slots)
+        slot_list = check_slots("slots", slots, self.num_slots)
         position_list = positions.tolist() if isinstance(positions, torch.Tensor) else list(positions)
         if len(position_list) != len(slot_list):
             raise InvalidSamplingParams("positions", f"{len(position_list)} positions",
@@ -174,7 +175,7 @@ class SeedManager:
     def get_new_values(self, slots: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
         """(seeds, positions, streams) of the next token of each slot, then each position advances
         by one: call exactly once per sampled token. Every slot must hold a seed."""
-        slot_list = _check_slots("slots", slots, self.num_slots)
+        slot_list = check_slots("slots", slots, self.num_slots)
         for slot in slot_list:
             if self.seeds[slot] is None:
                 raise InvalidSamplingParams("slots", slot, "slots holding a seed (reset_seed first)")
@@ -196,7 +197,7 @@ class SeedManager:
 
     def release_slot(self, slot: int) -> None:
         """Forget the slot's seed (idempotent)."""
-        _check_slots("slot", [slot], self.num_slots)
+        check_slots("slot", [slot], self.num_slots)
         self.seeds[slot] = None
         self.drawn[slot] = False
         self.positions[slot] = 0
@@ -204,5 +205,5 @@ class SeedManager:
 
     def snapshot(self, slot: int) -> tuple[int | None, int, int]:
         """(seed, position, stream) of `slot`."""
-        _check_slots("slot", [slot], self.num_slots)
+        check_slots("slot", [slot], self.num_slots)
         return self.seeds[slot], self.positions[slot], self.streams[slot]
