@@ -22,13 +22,12 @@ from . import kernels, rng
 from .output import SamplerOutput
 from .params import (INT64_MIN, UINT64_MAX, InvalidSamplingParams, SamplingParams, check_params_for_vocab,
                      check_token_ids)
-from .reference import LOGPROBS_MODES
 from .plan import StepPlan, plan_step  # noqa: F401  (re-exported: the plan is part of the sampler's API)
+from .reference import LOGPROBS_MODES
 from .state import SamplerState
 from .torch_step import TorchStep
 
 LOGITS_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 
 class Sampler:
