@@ -179,11 +179,9 @@ class VocabSplit:
 
     def _admit(self, slot: int, params: SamplingParams, seed: int, position: int, stream: int,
                prompt: list[int], outputs: list[int]) -> None:
-        st = self.state
-        bare = dataclasses.replace(params, logit_bias=None, allowed_token_ids=None, stop_token_ids=())
-        st.admit(slot, bare, seed, position, stream, self._local(prompt), self._local(outputs), ())
-        st.output_len[slot] = len(outputs)
         self._write_params(slot, params)
+        self.state.write_request(slot, seed, position, stream, self._local(prompt), self._local(outputs),
+                                 output_len=len(outputs))
 
     def _write_params(self, slot: int, params: SamplingParams) -> None:
         """The parameter columns of `slot`, with bias, allowed and stop/EOS ids translated to local ids."""

@@ -66,8 +66,14 @@ class SamplerState:
               eos_token_ids: Sequence[int]) -> None:
         """Write every column of `slot` (ids already checked against the vocabulary)."""
         self.write_params(slot, params, eos_token_ids)
+        self.write_request(slot, seed, position, stream, prompt_token_ids, output_token_ids)
+
+    def write_request(self, slot: int, seed: int, position: int, stream: int, prompt_token_ids: Sequence[int],
+                      output_token_ids: Sequence[int], output_len: int | None = None) -> None:
+        """Write the slot's noise coordinates and history (not its parameters). `output_len` is the
+        number of generated tokens when `output_token_ids` holds only some of them (a vocabulary slice)."""
         values = {"seed": rng.seed_to_int64(seed), "position": position, "stream": stream,
-                  "output_len": len(output_token_ids)}
+                  "output_len": len(output_token_ids) if output_len is None else output_len}
         for name, value in values.items():
             getattr(self, name)[slot] = value
         self.set_history(slot, prompt_token_ids, output_token_ids)
