@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import gumbel, select
+from . import gumbel, row_stats, select
 
 NEG_INF = float("-inf")
 CANDIDATE_CAP = 16384  # largest candidate list per row before the dense route is used
+TOP_P_HEAD = 64  # sorted prefix of the list searched first for the top-p crossing
 
 
 @dataclass
@@ -65,14 +66,16 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     lower = select.win_floor(z_max)
     if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
-    ordered = cols.any_top_p  # top-p scans the list from the top; nothing else needs an order
-    listed = select.gather_candidates(z, lower, cap, sort=ordered)
+    count = row_mass = None
+    if cols.any_top_p and bool((cols.top_p < 1.0).all()):  # the list's width and the mass in one pass
+        count, row_mass = row_stats.winnable_count_and_mass(z, z_max, lower)
+    listed = select.gather_candidates(z, lower, cap, sort=False, count=count)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         lower = torch.maximum(lower, select.top_k_threshold(z, cols.top_k)[0])
-        listed = select.gather_candidates(z, lower, cap, sort=ordered)
+        listed = select.gather_candidates(z, lower, cap, sort=False)
     if listed is None:
         return _dense_route(z, z_max, lower, cols)
-    values, ids, count = listed
+    values, ids, count = listed  # unsorted: each step sorts only the prefix it reads
     smallest = torch.where(values == NEG_INF, float("inf"), values).amin(dim=-1)  # listed values are finite
     top_p_rows = cols.top_p < 1.0
     need_exact = top_p_rows | exact_threshold  # top-p's total mass needs the exact tau below it
@@ -90,7 +93,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if cols.any_top_k:
         k = cols.top_k
         inside = k <= count
-        largest = values if ordered else torch.topk(values, int(k.clamp(max=values.shape[-1]).max()), dim=-1).values
+        largest = torch.topk(values, int(k.clamp(max=values.shape[-1]).max()), dim=-1).values
         tau_list = largest.gather(-1, (k - 1).clamp(min=0, max=largest.shape[-1] - 1)[:, None]).squeeze(-1)
         tau_list = torch.where(inside, tau_list, NEG_INF)
         beyond = (k > 0) & ~inside & need_exact
@@ -100,19 +103,73 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
                                                             z, rows, k[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
-        total = torch.where(values >= tau[:, None], torch.exp(values - z_max[:, None]), 0.0).sum(
-            dim=-1, dtype=torch.float64)
-        full_row = (tau < lower) & top_p_rows  # kept ids below the list: the total needs the whole row
-        if bool(full_row.any()):
-            rows = full_row.nonzero().squeeze(-1)
-            total = total.index_put((rows,), _on_rows(select.kept_mass, z, rows, z_max[rows], tau[rows]))
-        bound = cols.top_p * total
-        tau_p, found = select.top_p_from_candidates(values, z_max, tau, bound)
-        tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
-        if exact_threshold:
-            tau = _histogram_rows(z, z_max, tau, bound, top_p_rows & ~found)
+        tau = _top_p(z, z_max, values, tau, lower, row_mass, cols.top_p, exact_threshold)
     noisy = values.masked_fill(values < tau[:, None], NEG_INF)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
+
+
+def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
+           row_mass: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool) -> torch.Tensor:
+    """tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the unsorted
+    candidate list `values` (every id >= lower).
+
+    The total kept mass: from the list when tau lies inside it; `row_mass` (the whole row, within
+    `row_stats.mass_error`; computed here for those rows when not given) when nothing else removed
+    ids; else an exact full-row pass. With an
+    uncertain total the threshold is found at both ends of the interval; rows where they differ
+    get the exact total and are searched again."""
+    top_p_rows = top_p < 1.0
+    total = torch.where(values >= tau[:, None], torch.exp(values - z_max[:, None]), 0.0).sum(
+        dim=-1, dtype=torch.float64)
+    below_list = (tau < lower) & top_p_rows  # kept ids below the list: the total needs the whole row
+    whole_row = below_list & torch.isneginf(tau)
+    if row_mass is None:
+        row_mass = torch.zeros_like(total)
+        if bool(whole_row.any()):
+            rows = whole_row.nonzero().squeeze(-1)
+            row_mass[rows] = _on_rows(row_stats.whole_row_mass, z, rows, z_max[rows])
+    total = torch.where(whole_row, row_mass, total)
+    error = torch.where(whole_row, row_stats.mass_error(row_mass, z.shape[1]), 0.0)
+    partial = below_list & ~whole_row
+    if bool(partial.any()):
+        rows = partial.nonzero().squeeze(-1)
+        total = total.index_put((rows,), _on_rows(select.kept_mass, z, rows, z_max[rows], tau[rows]))
+    tau_p, found, unsure = _top_p_search(values, z_max, tau, top_p, total, error, top_p_rows, exact_threshold)
+    if bool(unsure.any()):
+        rows = unsure.nonzero().squeeze(-1)
+        total = total.index_put((rows,), _on_rows(select.kept_mass, z, rows, z_max[rows], tau[rows]))
+        error = error.masked_fill(unsure, 0.0)
+        tau_p, found, _ = _top_p_search(values, z_max, tau, top_p, total, error, top_p_rows, exact_threshold)
+    tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
+    if exact_threshold:
+        tau = _histogram_rows(z, z_max, tau, top_p * total, top_p_rows & ~found)
+    return tau
+
+
+def _top_p_search(values: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, top_p: torch.Tensor,
+                  total: torch.Tensor, error: torch.Tensor, top_p_rows: torch.Tensor, exact_threshold: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tau_p, found, unsure): the threshold for the bound top_p * total, searched on the sorted
+    head of the list (the whole list for rows whose bound lies past it), and the rows whose answer
+    changes somewhere in top_p * [total - error, total + error]."""
+    low_bound, high_bound = top_p * (total - error), top_p * (total + error)
+    width = values.shape[-1]
+    head_width = min(width, TOP_P_HEAD)
+    while True:
+        if head_width < width:
+            head = torch.topk(values, head_width, dim=-1).values
+        else:
+            head = torch.sort(values, dim=-1, descending=True).values
+        mass_ge = select.masses_from_top(head, z_max, tau)
+        tau_low, found_low = select.top_p_at(head, mass_ge, low_bound)
+        tau_high, found_high = select.top_p_at(head, mass_ge, high_bound)
+        if head_width == width or bool((found_high | ~top_p_rows).all()):
+            break
+        head_width = width
+    unsure = (found_low != found_high) | (found_high & (tau_low != tau_high))
+    if exact_threshold:  # the histogram search past the list needs the exact bound
+        unsure |= ~found_high
+    return tau_high, found_high, unsure & top_p_rows & (error > 0)
 
 
 def _on_rows(fn, z: torch.Tensor, rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:

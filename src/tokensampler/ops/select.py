@@ -58,16 +58,22 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
     return tau.masked_fill_(top_k <= 0, NEG_INF), values, ids
 
 
-def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: bool = True
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: bool = True,
+                      count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every id with z >= lower[r] (a finite bound), as (values, ids) [R, W] padded with -inf / id 0,
-    sorted by value descending if `sort`, and the count per row; None if a row has more than `cap`
-    (no sort of the row: one compare, one compaction, at most a sort of the W candidates)."""
+    sorted by value descending if `sort`, and the count per row (computed here unless given); None
+    if a row has more than `cap` (no sort of the row: one compare, one compaction, at most a sort
+    of the W candidates)."""
+    if count is not None:
+        width = int(count.max()) if count.numel() else 0
+        if width > cap:
+            return None
     mask = z >= lower[:, None]
-    count = mask.sum(dim=-1, dtype=torch.int32).to(torch.int64)
-    width = int(count.max()) if count.numel() else 0
-    if width > cap:  # checked before the compaction, which would be as large as the row
-        return None
+    if count is None:
+        count = mask.sum(dim=-1, dtype=torch.int32).to(torch.int64)
+        width = int(count.max()) if count.numel() else 0
+        if width > cap:  # checked before the compaction, which would be as large as the row
+            return None
     rows, cols = torch.nonzero(mask, as_tuple=True)
     del mask
     start = torch.cumsum(count, dim=0) - count
@@ -106,8 +112,17 @@ def top_p_from_candidates(values: torch.Tensor, z_max: torch.Tensor, tau: torch.
     """values: float32 [R, m], the m largest z of each row, descending; tau: the threshold so far;
     bound: float64 [R] = top_p * kept mass. Returns (tau_p, found): the largest value whose mass of
     ids with z >= it reaches the bound, and whether the bound was reached inside the list."""
+    return top_p_at(values, masses_from_top(values, z_max, tau), bound)
+
+
+def masses_from_top(values: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
+    """float64 [R, m]: for descending `values`, the mass of the kept ids (z >= tau) up to each one."""
     p = torch.exp(values - z_max[:, None]).masked_fill_(values < tau[:, None], 0.0).to(torch.float64)
-    mass_ge = torch.cumsum(p, dim=-1)
+    return torch.cumsum(p, dim=-1)
+
+
+def top_p_at(values: torch.Tensor, mass_ge: torch.Tensor, bound: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`top_p_from_candidates` given `masses_from_top` (so that several bounds share one cumsum)."""
     found = mass_ge[:, -1] >= bound
     position = (mass_ge < bound[:, None]).sum(dim=-1).clamp_(max=values.shape[-1] - 1)
     return values.gather(-1, position[:, None]).squeeze(-1), found
