@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .nonzero import nonzero_ids
+
 
 def apply_penalties(z: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
                     repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
@@ -60,19 +62,3 @@ def apply_penalties_rows_(z: torch.Tensor, rows: list[int], slots: list[int], pr
     else:
         z[positions // z.stride(0), ids] = values
     return z
-
-
-def nonzero_ids(row: torch.Tensor) -> torch.Tensor:
-    """int64 ids of the non-zero entries of a contiguous 1-D tensor, ascending. Scans 64-bit words
-    first (a row of a few hundred hits among ~10^5 ids: most words are zero), then the bytes of the
-    words that are not."""
-    per_word = 8 // row.element_size()
-    if per_word < 1 or not row.is_contiguous() or row.device.type != "cpu":
-        return torch.nonzero(row).squeeze(-1)
-    body = row.numel() // per_word * per_word
-    words = row[:body].view(torch.int64)
-    hit = torch.nonzero(words).squeeze(-1)
-    lanes = row[:body].view(-1, per_word)[hit]
-    word, lane = torch.nonzero(lanes, as_tuple=True)
-    tail = torch.nonzero(row[body:]).squeeze(-1) + body
-    return torch.cat([hit[word] * per_word + lane, tail])

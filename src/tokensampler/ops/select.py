@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import rng
+from .nonzero import nonzero_ids
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -74,8 +75,9 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
         width = int(count.max()) if count.numel() else 0
         if width > cap:  # checked before the compaction, which would be as large as the row
             return None
-    rows, cols = torch.nonzero(mask, as_tuple=True)
+    hits = nonzero_ids(mask.view(-1))
     del mask
+    rows, cols = hits // z.shape[1], hits % z.shape[1]
     start = torch.cumsum(count, dim=0) - count
     slot = torch.arange(rows.numel(), device=z.device) - start[rows]
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
