@@ -222,6 +222,63 @@ def monkeypatch_tiny():
         yield
 
 
+@st.composite
+def plain_batches(draw):
+    """Batches the read-only route takes: float32 logits, nothing to remove or add before T."""
+    logits, params, prompts, outputs, vocab, mode = draw(batches())
+    keep = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
+    params = [SamplingParams(**{f: getattr(p, f) for f in keep}) for p in params]
+    return logits.float(), params, prompts, outputs, vocab, draw(st.sampled_from(MODES[:2]))
+
+
+@FAST
+@given(case=plain_batches(), direct=st.booleans())
+def test_matches_reference_read_only_route(case, direct):
+    import tokensampler.torch_step as step_module
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_module, "DIRECT_ROUTE", direct)
+        _compare(case)
+
+
+def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
+    """Bench-shaped float32 rows without edits run on the caller's logits (no in-place division);
+    the logits are left untouched and the tokens equal the reference's and the block route's."""
+    import tokensampler.torch_step as step_module
+    from tokensampler.bench import make_logits
+    seen = []
+    real = fused.sample_rows
+
+    def spy(*args, **kw):
+        seen.append(kw.get("in_place", True))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fused, "sample_rows", spy)
+    logits = make_logits(4, 20000, seed=3)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.6, seed=2),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=3, logprobs=5),
+              SamplingParams(temperature=0.0, logprobs=2)]
+    want = run_reference(logits, params)
+    direct = run_sampler(logits, params)
+    assert seen == [False] and torch.equal(logits, before)
+    monkeypatch.setattr(step_module, "DIRECT_ROUTE", False)
+    blocked = run_sampler(logits, params)
+    assert seen[1:] and all(seen[1:])
+    assert_same_output(want, direct)
+    assert_same_output(want, blocked)
+
+
+def test_undivided_floor_is_below_every_value_that_divides_above_lower():
+    gen = torch.Generator().manual_seed(7)
+    z = torch.cat([torch.randn(200000, generator=gen) * 40, torch.tensor([0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38])])
+    for t in (0.05, 0.3, 0.7, 1.0, 1.3, 7.0):
+        scale = torch.tensor([t])
+        divided = z / t
+        for lower in divided[torch.randint(0, z.numel(), (50,), generator=gen)].tolist() + [0.0, 1e-40]:
+            floor = fused.undivided_floor(torch.tensor([lower]), scale)
+            assert bool((z[divided >= lower] >= floor).all()), (t, lower)
+
+
 def test_bench_shaped_rows_match_reference():
     """LLM-shaped rows (the bench's generator) at a vocabulary where every route is exercised."""
     from tokensampler.bench import make_logits
@@ -245,9 +302,9 @@ def test_mixed_batch_routes_each_row_to_its_own_work(monkeypatch):
         calls["noise_rows"] += values.shape[0]
         return real_noise(values, ids, keys)
 
-    def mass(z, z_max, tau):
+    def mass(z, z_max, tau, scale=None):
         calls["kept_mass_rows"] += z.shape[0]
-        return real_mass(z, z_max, tau)
+        return real_mass(z, z_max, tau, scale)
 
     monkeypatch.setattr(gumbel, "gumbel_argmax_candidates", noise)
     monkeypatch.setattr(select, "kept_mass", mass)
@@ -286,6 +343,7 @@ def test_no_logits_sized_allocation_in_a_step(monkeypatch):
     from tokensampler.bench_memory import peak_extra_bytes
     monkeypatch.setattr(sampler_module, "BLOCK_ELEMENTS", 1 << 13)
     monkeypatch.setattr(gumbel, "DENSE_BLOCK", 1 << 12)  # the bench's proportions: blocks << logits
+    monkeypatch.setattr(select, "COLUMN_CHUNK", 1 << 11)
     batch, vocab = 32, 1 << 12  # 16 blocks of 2 rows
     from tokensampler.bench import make_logits
     logits = make_logits(batch, vocab, seed=2)

@@ -59,8 +59,8 @@ def test_uncertain_top_p_rows_get_the_exact_mass(checked, monkeypatch):
     perturbed mass gives a different kept set: the test sees the difference."""
     real = row_stats._count_and_mass_eager
 
-    def perturbed(z, z_max, lower):
-        count, mass = real(z, z_max, lower)
+    def perturbed(z, z_max, lower, scale):
+        count, mass = real(z, z_max, lower, scale)
         return count, mass * (1 + 1e-7)
 
     monkeypatch.setattr(row_stats, "_count_and_mass_eager", perturbed)

@@ -31,6 +31,7 @@ from .plan import StepPlan
 from .state import SamplerState
 
 BLOCK_ELEMENTS = 1 << 21  # elements per row block of the step (a few MB: measured best on 2 cores)
+DIRECT_ROUTE = True  # the read-only route on the caller's logits where it applies (tests cover both)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -77,11 +78,57 @@ class TorchStep:
             self._run_plain_greedy(logits, tokens, valid)
             if bool(valid.all()):
                 return SamplerOutput(tokens, valid, None)
+        if DIRECT_ROUTE and self._direct_applies(logits, plan, rows):
+            if self._run_direct(logits, index, rows, plan, tokens, valid, result):
+                return SamplerOutput(tokens, valid, result)
         size = self._block_rows
         for start in range(0, batch, size):
             stop = min(batch, start + size)
             self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result)
         return SamplerOutput(tokens, valid, result)
+
+    def _direct_applies(self, logits: torch.Tensor, plan: StepPlan, rows: list[SamplingParams]) -> bool:
+        """The read-only route: float32 logits, nothing to remove or add before temperature (no
+        allowed ids, min_tokens, penalties, bias) and no processed logprobs (they read the edited z)."""
+        edits = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
+        processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
+        return logits.dtype == torch.float32 and not edits and not processed and logits.device.type == "cpu"
+
+    def _run_direct(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
+                    tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None) -> bool:
+        """Steps 6-12 on the caller's logits, read only, all rows at once: no workspace copy, no
+        in-place division (values are divided where they are read). Returns False, having written
+        nothing, when a row needs the block route (NaN or +inf in the logits, a row too flat for
+        a candidate list)."""
+        z = logits[:, :self.vocab_size]
+        z_max = z.amax(dim=-1)
+        if not bool((torch.isfinite(z_max) | torch.isneginf(z_max)).all()):  # NaN or +inf somewhere
+            return False
+        row_valid = z_max > float("-inf")
+        valid_host = row_valid.tolist()
+        st = self.state
+        sampled = [b for b, p in enumerate(rows) if not p.greedy and valid_host[b]]
+        if sampled and bool(torch.isneginf(z_max[sampled] / st.temperature[index[sampled]]).any()):
+            return False  # z / T underflows a whole row: the block route handles the emptied row
+        row_tokens = torch.zeros_like(tokens)
+        # all rows at once without a copy; a subset of rows is copied out, a block at a time
+        groups = [sampled] if len(sampled) == len(rows) else [
+            sampled[i:i + self._block_rows] for i in range(0, len(sampled), self._block_rows)]
+        for group in groups if sampled else []:
+            drawn = self._sample_rows(z, z_max, index, rows, group, False, in_place=False)
+            if drawn is None:
+                return False
+            row_tokens[group] = drawn
+        greedy = [b for b, p in enumerate(rows) if p.greedy and valid_host[b]]
+        if greedy:
+            row_tokens[greedy] = first_argmax(z[greedy])
+        tokens.copy_(row_tokens)
+        valid.copy_(row_valid)
+        if result is not None:  # a block of rows at a time: its temporaries stay block-sized
+            for start in range(0, logits.shape[0], self._block_rows):
+                stop = min(logits.shape[0], start + self._block_rows)
+                self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
+        return True
 
     def _run_plain_greedy(self, logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no
@@ -155,8 +202,10 @@ class TorchStep:
             self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, result)
 
     def _sample_rows(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
-                     block_params: list[SamplingParams], sampled: list[int], processed: bool) -> torch.Tensor:
-        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block."""
+                     block_params: list[SamplingParams], sampled: list[int], processed: bool,
+                     in_place: bool = True) -> torch.Tensor | None:
+        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block
+        (None: `fused.sample_rows` declined the read-only form)."""
         st = self.state
         everyone = len(sampled) == z.shape[0]
         zs = z if everyone else z[sampled]
@@ -167,7 +216,11 @@ class TorchStep:
             keys=rng.row_key(st.seed[s], st.position[s], st.stream[s]),
             any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
             any_top_p=any(p.top_p < 1.0 for p in params))
-        tokens, tau = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed)
+        drawn = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed,
+                                  in_place=in_place)
+        if drawn is None:
+            return None
+        tokens, tau = drawn
         if processed:  # step 12 reads the kept set: every other id at -inf
             zs.masked_fill_(zs < tau[:, None], float("-inf"))
             if not everyone:

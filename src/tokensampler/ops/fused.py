@@ -55,21 +55,36 @@ def apply_temperature(z: torch.Tensor, z_max: torch.Tensor, temperature: torch.T
 
 
 def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact_threshold: bool,
-                candidate_cap: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                candidate_cap: int | None = None, in_place: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """z: float32 [R, V] after penalties (each row with a finite or +inf max `z_max`); modified in
     place to z / T. Returns (tokens int64 [R], tau float32 [R]). With `exact_threshold` tau is the
     exact kept threshold (kept = z >= tau, finite), as processed logprobs need; otherwise tau may
-    differ from it only below the winnable floor, where it cannot change the token."""
+    differ from it only below the winnable floor, where it cannot change the token.
+
+    in_place=False: z is read only (the caller's logits: finite max, no exact_threshold); values
+    are divided by T where they are read, bit for bit as the in-place division. Returns None when a
+    row needs a full-row route (flat rows, +inf after T): the caller then runs the in-place form."""
     cap = CANDIDATE_CAP if candidate_cap is None else candidate_cap
     cap = min(cap, max(1024, z.shape[1] // 8))  # a list near the row's size: the dense route is leaner
-    z_max = apply_temperature(z, z_max, cols.temperature)
+    scale = None
+    if in_place:
+        z_max = apply_temperature(z, z_max, cols.temperature)
+    else:
+        z_max = z_max / cols.temperature
+        if bool(torch.isposinf(z_max).any()):
+            return None
+        scale = cols.temperature
     lower = select.win_floor(z_max)
     if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
+    list_floor = lower if scale is None else undivided_floor(lower, scale)
     count = row_mass = None
     if cols.any_top_p and bool((cols.top_p < 1.0).all()):  # the list's width and the mass in one pass
-        count, row_mass = row_stats.winnable_count_and_mass(z, z_max, lower)
-    listed = select.gather_candidates(z, lower, cap, sort=False, count=count)
+        count, row_mass = row_stats.winnable_count_and_mass(z, z_max, list_floor, scale)
+    listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
+    if listed is None and scale is not None:
+        return None
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         lower = torch.maximum(lower, select.top_k_threshold(z, cols.top_k)[0])
         listed = select.gather_candidates(z, lower, cap, sort=False)
@@ -87,7 +102,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         beyond = (cols.min_p > 0) & (tau_list <= smallest) & need_exact
         if bool(beyond.any()):
             rows = beyond.nonzero().squeeze(-1)
-            tau_list = tau_list.index_put((rows,), _on_rows(select.min_p_threshold, z, rows, z_max[rows],
+            tau_list = tau_list.index_put((rows,), _on_rows(select.min_p_threshold, z, rows, scale, z_max[rows],
                                                             cols.min_p[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(cols.min_p <= 0, NEG_INF))
     if cols.any_top_k:
@@ -100,16 +115,17 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         if bool(beyond.any()):
             rows = beyond.nonzero().squeeze(-1)
             tau_list = tau_list.index_put((rows,), _on_rows(lambda zr, kr: select.top_k_threshold(zr, kr)[0],
-                                                            z, rows, k[rows]))
+                                                            z, rows, scale, k[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
-        tau = _top_p(z, z_max, values, tau, lower, row_mass, cols.top_p, exact_threshold)
+        tau = _top_p(z, z_max, values, tau, lower, row_mass, cols.top_p, exact_threshold, scale)
     noisy = values.masked_fill(values < tau[:, None], NEG_INF)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
 
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
-           row_mass: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool) -> torch.Tensor:
+           row_mass: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the unsorted
     candidate list `values` (every id >= lower).
 
@@ -127,17 +143,19 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
         row_mass = torch.zeros_like(total)
         if bool(whole_row.any()):
             rows = whole_row.nonzero().squeeze(-1)
-            row_mass[rows] = _on_rows(row_stats.whole_row_mass, z, rows, z_max[rows])
+            row_mass[rows] = row_stats.whole_row_mass(_rows_of(z, rows), z_max[rows], _rows_of(scale, rows))
     total = torch.where(whole_row, row_mass, total)
     error = torch.where(whole_row, row_stats.mass_error(row_mass, z.shape[1]), 0.0)
     partial = below_list & ~whole_row
     if bool(partial.any()):
         rows = partial.nonzero().squeeze(-1)
-        total = total.index_put((rows,), _on_rows(select.kept_mass, z, rows, z_max[rows], tau[rows]))
+        total = total.index_put((rows,), select.kept_mass(_rows_of(z, rows), z_max[rows], tau[rows],
+                                                          _rows_of(scale, rows)))
     tau_p, found, unsure = _top_p_search(values, z_max, tau, top_p, total, error, top_p_rows, exact_threshold)
     if bool(unsure.any()):
         rows = unsure.nonzero().squeeze(-1)
-        total = total.index_put((rows,), _on_rows(select.kept_mass, z, rows, z_max[rows], tau[rows]))
+        total = total.index_put((rows,), select.kept_mass(_rows_of(z, rows), z_max[rows], tau[rows],
+                                                          _rows_of(scale, rows)))
         error = error.masked_fill(unsure, 0.0)
         tau_p, found, _ = _top_p_search(values, z_max, tau, top_p, total, error, top_p_rows, exact_threshold)
     tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
@@ -172,11 +190,27 @@ def _top_p_search(values: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, 
     return tau_high, found_high, unsure & top_p_rows & (error > 0)
 
 
-def _on_rows(fn, z: torch.Tensor, rows: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
-    """fn on the rows `rows` of z only (all of them without a copy when that is every row)."""
-    if rows.numel() == z.shape[0]:
-        return fn(z, *args)
-    return fn(z[rows], *args)
+def _rows_of(t: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+    """The rows `rows` of t (t itself, no copy, when that is every row; None stays None)."""
+    if t is None or rows.numel() == t.shape[0]:
+        return t
+    return t[rows]
+
+
+def _on_rows(fn, z: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, *args: torch.Tensor
+             ) -> torch.Tensor:
+    """fn on the rows `rows` of z / scale (z itself when scale is None)."""
+    zr = _rows_of(z, rows)
+    return fn(zr if scale is None else zr / scale[rows][:, None], *args)
+
+
+def undivided_floor(lower: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 [R]: a bound L on undivided values such that every z with fl(z / scale) >= lower
+    has z >= L (a little below lower * scale: ids between the two only lengthen the list, which
+    stays every id above one value)."""
+    wide = lower.to(torch.float64)
+    wide = (wide - wide.abs() * 2.0**-20) * scale.to(torch.float64) - 2.0**-100
+    return torch.nextafter(wide.to(torch.float32), torch.tensor(NEG_INF))
 
 
 def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
@@ -199,7 +233,7 @@ def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bou
     if not bool(rows_mask.any()):
         return tau
     rows = rows_mask.nonzero().squeeze(-1)
-    tau_p = _on_rows(lambda zr, *a: select.top_p_by_histogram(zr, *a), z, rows, z_max[rows], tau[rows],
+    tau_p = _on_rows(lambda zr, *a: select.top_p_by_histogram(zr, *a), z, rows, None, z_max[rows], tau[rows],
                      None if bound is None else bound[rows], None if top_p is None else top_p[rows])
     tau = tau.clone()
     tau[rows] = torch.maximum(tau[rows], tau_p)

@@ -23,37 +23,42 @@ MASS_RELATIVE_ERROR = 2.0**-20
 SUBNORMAL_ERROR = 2.0**-140  # per id
 
 
-def _count_and_mass(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _count_and_mass(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused form (compiled): one loop per row."""
     count = (z >= lower[:, None]).sum(dim=-1)
-    return count, _mass(z, z_max)
+    return count, _mass(z, z_max, scale)
 
 
-def _count_and_mass_eager(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _count_and_mass_eager(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
+                          scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager form (TOKENSAMPLER_COMPILE=0): the reference's exp, in column chunks."""
     count = (z >= lower[:, None]).sum(dim=-1, dtype=torch.int32).to(torch.int64)
-    return count, select.kept_mass(z, z_max, torch.full_like(z_max, float("-inf")))
+    return count, select.kept_mass(z, z_max, torch.full_like(z_max, float("-inf")), scale)
 
 
-def winnable_count_and_mass(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """z: float32 [R, V] (-inf = removed); z_max: float32 [R], finite; lower: float32 [R].
-    Returns (count int64 [R]: ids with z >= lower; mass float64 [R]: sum of exp(z - z_max) over
-    the row, within `mass_error` of the reference's sum)."""
+def winnable_count_and_mass(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
+                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """z: float32 [R, V] (-inf = removed); z_max: float32 [R], finite; lower: float32 [R];
+    scale: float32 [R] when the rows hold z * scale (undivided logits), else None.
+    Returns (count int64 [R]: ids with z >= lower, in the rows' own units; mass float64 [R]: sum of
+    exp(z / scale - z_max) over the row, within `mass_error` of the reference's sum)."""
     if not ts_compile.enabled():
-        return _count_and_mass_eager(z, z_max, lower)
-    return ts_compile.maybe_compiled("count_and_mass", _count_and_mass)(z, z_max, lower)
+        return _count_and_mass_eager(z, z_max, lower, scale)
+    scale = torch.ones_like(z_max) if scale is None else scale  # x / 1 = x exactly
+    return ts_compile.maybe_compiled("count_and_mass", _count_and_mass)(z, z_max, lower, scale)
 
 
-def _mass(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-    return torch.exp(z - z_max[:, None]).to(torch.float64).sum(dim=-1)
+def _mass(z: torch.Tensor, z_max: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return torch.exp(z / scale[:, None] - z_max[:, None]).to(torch.float64).sum(dim=-1)
 
 
-def whole_row_mass(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
+def whole_row_mass(z: torch.Tensor, z_max: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The mass half of `winnable_count_and_mass`, for the rows of a mixed block that need it."""
     if not ts_compile.enabled():
-        return select.kept_mass(z, z_max, torch.full_like(z_max, float("-inf")))
-    return ts_compile.maybe_compiled("whole_row_mass", _mass)(z, z_max)
+        return select.kept_mass(z, z_max, torch.full_like(z_max, float("-inf")), scale)
+    scale = torch.ones_like(z_max) if scale is None else scale
+    return ts_compile.maybe_compiled("whole_row_mass", _mass)(z, z_max, scale)
 
 
 def mass_error(mass: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -60,11 +60,12 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: bool = True,
-                      count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                      count: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every id with z >= lower[r] (a finite bound), as (values, ids) [R, W] padded with -inf / id 0,
     sorted by value descending if `sort`, and the count per row (computed here unless given); None
     if a row has more than `cap` (no sort of the row: one compare, one compaction, at most a sort
-    of the W candidates)."""
+    of the W candidates). With `scale` (float32 [R]) the listed values are z / scale."""
     if count is not None:
         width = int(count.max()) if count.numel() else 0
         if width > cap:
@@ -82,7 +83,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
     slot = torch.arange(rows.numel(), device=z.device) - start[rows]
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
     ids = torch.zeros((z.shape[0], max(width, 1)), dtype=torch.int64, device=z.device)
-    values[rows, slot] = z[rows, cols]
+    values[rows, slot] = z[rows, cols] if scale is None else z[rows, cols] / scale[rows]
     ids[rows, slot] = cols
     if not sort:
         return values, ids, count
@@ -96,12 +97,15 @@ def _column_chunks(z: torch.Tensor) -> list[tuple[int, int]]:
     return [(c, min(c + width, z.shape[1])) for c in range(0, z.shape[1], width)]
 
 
-def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor) -> torch.Tensor:
-    """float64 [R]: the sum of the float32 p over the ids with z >= tau (column chunk by chunk)."""
+def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """float64 [R]: the sum of the float32 p over the ids with z >= tau (column chunk by chunk).
+    With `scale` (float32 [R]) the row holds z * scale: each chunk is divided first (exactly the
+    values an in-place division would give)."""
     restricted = not bool(torch.isneginf(tau).all())
     total = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)
     for start, stop in _column_chunks(z):
-        zc = z[:, start:stop]
+        zc = z[:, start:stop] if scale is None else z[:, start:stop] / scale[:, None]
         p = (zc - z_max[:, None]).exp_()
         if restricted:
             p.masked_fill_(zc < tau[:, None], 0.0)
