@@ -224,9 +224,11 @@ def monkeypatch_tiny():
 
 @st.composite
 def plain_batches(draw):
-    """Batches the read-only route takes: float32 logits, nothing to remove or add before T."""
+    """Batches the read-only route takes: float32 logits, nothing to remove or add before T
+    except penalties (written in place and restored)."""
     logits, params, prompts, outputs, vocab, mode = draw(batches())
-    keep = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
+    keep = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty",
+            "frequency_penalty", "repetition_penalty")
     params = [SamplingParams(**{f: getattr(p, f) for f in keep}) for p in params]
     return logits.float(), params, prompts, outputs, vocab, draw(st.sampled_from(MODES[:2]))
 
@@ -241,8 +243,9 @@ def test_matches_reference_read_only_route(case, direct):
 
 
 def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
-    """Bench-shaped float32 rows without edits run on the caller's logits (no in-place division);
-    the logits are left untouched and the tokens equal the reference's and the block route's."""
+    """Bench-shaped float32 rows without edits but penalties run on the caller's logits (no
+    in-place division); the logits are as they were after the step (penalties restored) and the
+    tokens and logprobs equal the reference's and the block route's."""
     import tokensampler.torch_step as step_module
     from tokensampler.bench import make_logits
     seen = []
@@ -255,14 +258,17 @@ def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
     monkeypatch.setattr(fused, "sample_rows", spy)
     logits = make_logits(4, 20000, seed=3)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1), SamplingParams(temperature=0.6, seed=2),
-              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=3, logprobs=5),
-              SamplingParams(temperature=0.0, logprobs=2)]
-    want = run_reference(logits, params)
-    direct = run_sampler(logits, params)
+    params = [SamplingParams(temperature=0.6, top_p=0.9, seed=1, repetition_penalty=1.3, logprobs=3),
+              SamplingParams(temperature=0.6, seed=2),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=3, logprobs=5, frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, logprobs=2, presence_penalty=2.0)]
+    top = logits.topk(3, dim=-1).indices.tolist()  # penalise ids that matter
+    history = dict(prompts=[top[0][:2], [], [1, 2], top[3][:1]], outputs=[[5], [], top[2][:2] * 2, top[3][:1]])
+    want = run_reference(logits, params, **history)
+    direct = run_sampler(logits, params, **history)
     assert seen == [False] and torch.equal(logits, before)
     monkeypatch.setattr(step_module, "DIRECT_ROUTE", False)
-    blocked = run_sampler(logits, params)
+    blocked = run_sampler(logits, params, **history)
     assert seen[1:] and all(seen[1:])
     assert_same_output(want, direct)
     assert_same_output(want, blocked)

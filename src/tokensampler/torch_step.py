@@ -88,24 +88,59 @@ class TorchStep:
         return SamplerOutput(tokens, valid, result)
 
     def _direct_applies(self, logits: torch.Tensor, plan: StepPlan, rows: list[SamplingParams]) -> bool:
-        """The read-only route: float32 logits, nothing to remove or add before temperature (no
-        allowed ids, min_tokens, penalties, bias) and no processed logprobs (they read the edited z)."""
-        edits = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
+        """The route on the caller's logits: float32 on a CPU, nothing to remove or add before
+        temperature except penalties (no allowed ids, min_tokens, bias) and no processed logprobs
+        (they read the edited z). Penalties need rows that do not share memory (they are written
+        in place and restored)."""
+        edits = plan.allowed_ids or plan.min_tokens or plan.logit_bias
         processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
-        return logits.dtype == torch.float32 and not edits and not processed and logits.device.type == "cpu"
+        if logits.dtype != torch.float32 or edits or processed or logits.device.type != "cpu":
+            return False
+        if plan.penalties:
+            separate_rows = logits.stride(1) == 1 and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])
+            writable = not logits.requires_grad and (not logits.is_inference() or torch.is_inference_mode_enabled())
+            return separate_rows and writable
+        return True
 
     def _run_direct(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
                     tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None) -> bool:
-        """Steps 6-12 on the caller's logits, read only, all rows at once: no workspace copy, no
-        in-place division (values are divided where they are read). Returns False, having written
-        nothing, when a row needs the block route (NaN or +inf in the logits, a row too flat for
-        a candidate list)."""
+        """Steps 5-12 on the caller's logits, all rows at once: no workspace copy, no in-place
+        division (values are divided where they are read). Penalised rows get their penalised
+        values written at the ids they have seen, and the original values back before returning.
+        Returns False, having changed nothing, when a row needs the block route (NaN or +inf in
+        the logits, a row emptied, a row too flat for a candidate list)."""
         z = logits[:, :self.vocab_size]
+        edits = self._penalty_edits(z, index, rows) if plan.penalties else None
+        if edits is None:
+            return self._sample_direct(logits, z, index, rows, plan, tokens, valid, result)
+        row_index, ids, penalised = edits
+        original = penalties.read_at(z, row_index, ids)
+        penalties.write_at(z, row_index, ids, penalised)
+        try:
+            done = self._sample_direct(logits, z, index, rows, plan, tokens, valid, None, edited=True)
+        finally:
+            penalties.write_at(z, row_index, ids, original)
+        if done and result is not None:  # raw scores: after the original values are back
+            self._direct_logprobs(logits, tokens, plan, result)
+        return done
+
+    def _penalty_edits(self, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams]):
+        st = self.state
+        penalised = _positions(rows, _has_penalties)
+        slot_list = index.tolist()
+        return penalties.penalty_edits(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
+                                       st.output_counts, st.repetition, st.frequency, st.presence)
+
+    def _sample_direct(self, logits: torch.Tensor, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
+                       plan: StepPlan, tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None,
+                       edited: bool = False) -> bool:
         z_max = z.amax(dim=-1)
         if not bool((torch.isfinite(z_max) | torch.isneginf(z_max)).all()):  # NaN or +inf somewhere
             return False
         row_valid = z_max > float("-inf")
         valid_host = row_valid.tolist()
+        if edited and not all(valid_host):
+            return False  # a penalty overflowed a row to -inf: its raw greedy id needs the block route
         st = self.state
         sampled = [b for b, p in enumerate(rows) if not p.greedy and valid_host[b]]
         if sampled and bool(torch.isneginf(z_max[sampled] / st.temperature[index[sampled]]).any()):
@@ -124,11 +159,16 @@ class TorchStep:
             row_tokens[greedy] = first_argmax(z[greedy])
         tokens.copy_(row_tokens)
         valid.copy_(row_valid)
-        if result is not None:  # a block of rows at a time: its temporaries stay block-sized
-            for start in range(0, logits.shape[0], self._block_rows):
-                stop = min(logits.shape[0], start + self._block_rows)
-                self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
+        if result is not None:
+            self._direct_logprobs(logits, tokens, plan, result)
         return True
+
+    def _direct_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
+                         result: LogprobsOutput) -> None:
+        """Raw logprobs of the read-only route, a block of rows at a time (block-sized temporaries)."""
+        for start in range(0, logits.shape[0], self._block_rows):
+            stop = min(logits.shape[0], start + self._block_rows)
+            self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
 
     def _run_plain_greedy(self, logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
         """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no

@@ -83,13 +83,13 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if cols.any_top_p and bool((cols.top_p < 1.0).all()):  # the list's width and the mass in one pass
         count, row_mass = row_stats.winnable_count_and_mass(z, z_max, list_floor, scale)
     listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
-    if listed is None and scale is not None:
-        return None
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
-        lower = torch.maximum(lower, select.top_k_threshold(z, cols.top_k)[0])
-        listed = select.gather_candidates(z, lower, cap, sort=False)
+        kth = select.top_k_threshold(z, cols.top_k)[0]  # division is monotone: the k-th of z / T
+        lower = torch.maximum(lower, kth if scale is None else kth / scale)
+        list_floor = lower if scale is None else undivided_floor(lower, scale)
+        listed = select.gather_candidates(z, list_floor, cap, sort=False, scale=scale)
     if listed is None:
-        return _dense_route(z, z_max, lower, cols)
+        return None if scale is not None else _dense_route(z, z_max, lower, cols)
     values, ids, count = listed  # unsorted: each step sorts only the prefix it reads
     smallest = torch.where(values == NEG_INF, float("inf"), values).amin(dim=-1)  # listed values are finite
     top_p_rows = cols.top_p < 1.0

@@ -36,8 +36,19 @@ def apply_penalties_rows_(z: torch.Tensor, rows: list[int], slots: list[int], pr
     """`apply_penalties` in place on the rows `rows` of `z`, reading the state of `slots` directly,
     and only at the ids the slot has seen (prompt or output): elsewhere the penalties subtract a
     zero, which leaves every value unchanged (up to the sign of a zero). repetition, frequency,
-    presence: float32 [S] state columns. One seen-mask for all rows, its hits found by
-    `nonzero_ids`, then the arithmetic over the hits only."""
+    presence: float32 [S] state columns."""
+    edits = penalty_edits(z, rows, slots, prompt_mask, output_counts, repetition, frequency, presence)
+    if edits is not None:
+        write_at(z, *edits)
+    return z
+
+
+def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mask: torch.Tensor,
+                  output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
+                  presence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(row_index, ids, values): the penalised values of `apply_penalties_rows_` at the ids the
+    slots have seen (None if none), without writing them. One seen-mask for all rows, its hits
+    found by `nonzero_ids`, then the arithmetic over the hits only."""
     vocab = z.shape[1]
     seen = torch.empty((len(slots), vocab), dtype=torch.bool, device=z.device)
     for i, slot in enumerate(slots):  # no gathered copy of the int32 counts (a large temporary)
@@ -46,19 +57,28 @@ def apply_penalties_rows_(z: torch.Tensor, rows: list[int], slots: list[int], pr
     hits = nonzero_ids(seen.view(-1))  # flat positions in [len(slots), V]
     del seen
     if hits.numel() == 0:
-        return z
+        return None
     member, ids = hits // vocab, hits % vocab
     slot_index = torch.as_tensor(slots, dtype=torch.int64, device=z.device)[member]
-    positions = torch.as_tensor(rows, dtype=torch.int64, device=z.device)[member] * z.stride(0) + ids
-    flat_z = z.view(-1) if z.is_contiguous() else z.reshape(-1)
-    values = flat_z.take(positions)
+    row_index = torch.as_tensor(rows, dtype=torch.int64, device=z.device)[member]
+    values = read_at(z, row_index, ids)
     counts = output_counts.view(-1).take(slot_index * output_counts.stride(0) + ids).to(torch.float32)
     r = repetition[slot_index]
     values = torch.where(values > 0, values / r, values * r)
     values = values - frequency[slot_index] * counts
-    values = values - presence[slot_index] * (counts > 0).to(torch.float32)
+    return row_index, ids, values - presence[slot_index] * (counts > 0).to(torch.float32)
+
+
+def read_at(z: torch.Tensor, row_index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """z[row_index, ids] (`take` on a contiguous z: faster than advanced indexing)."""
     if z.is_contiguous():
-        flat_z[positions] = values
+        return z.view(-1).take(row_index * z.shape[1] + ids)
+    return z[row_index, ids]
+
+
+def write_at(z: torch.Tensor, row_index: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
+    """z[row_index, ids] = values, in place."""
+    if z.is_contiguous():
+        z.view(-1)[row_index * z.shape[1] + ids] = values
     else:
-        z[positions // z.stride(0), ids] = values
-    return z
+        z[row_index, ids] = values
