@@ -192,7 +192,8 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
     times = time_arms(arms, rounds, device)
     medians = {name: statistics.median(values) for name, values in times.items()}
     from .bench_memory import step_memory_report
-    memory = step_memory_report(lambda: sampler.sample(logits), logits, case.vocab) if device.type == "cpu" else None
+    memory = step_memory_report(lambda: sampler.sample(logits), logits, case.vocab,
+                                lambda: sampler.workspace_bytes) if device.type == "cpu" else None
     return {
         "case": case.name, "batch": case.batch, "vocab": case.vocab, "params": case.params,
         "flat": case.flat, "history": case.history, "rounds": rounds,

@@ -228,6 +228,11 @@ class Sampler:
         self.state.record_tokens(index, out.token_ids, record)
         return out
 
+    @property
+    def workspace_bytes(self) -> int:
+        """Host bytes the CPU step keeps between calls (its block workspace; 0 if it never ran)."""
+        return self._torch_step.workspace_bytes
+
     def _kernels(self):
         """The fused Triton step (it owns its scratch buffers); made on first use."""
         if self._kernel_step is None:

@@ -179,6 +179,11 @@ class TorchStep:
         valid.copy_(best > float("-inf"))  # all -inf: argmax gives 0, the raw greedy id; NaN: False here
 
     @property
+    def workspace_bytes(self) -> int:
+        """Bytes of the block workspace this step holds from call to call (0 until the block route runs)."""
+        return 0 if self._z_workspace is None else self._z_workspace.numel() * self._z_workspace.element_size()
+
+    @property
     def _block_rows(self) -> int:
         """Rows per block: about BLOCK_ELEMENTS logits."""
         return max(1, BLOCK_ELEMENTS // self.vocab_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .nonzero import nonzero_ids
+from .indexing import nonzero_ids, read_at, write_at
 
 
 def apply_penalties(z: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
@@ -67,18 +67,3 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     values = torch.where(values > 0, values / r, values * r)
     values = values - frequency[slot_index] * counts
     return row_index, ids, values - presence[slot_index] * (counts > 0).to(torch.float32)
-
-
-def read_at(z: torch.Tensor, row_index: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """z[row_index, ids] (`take` on a contiguous z: faster than advanced indexing)."""
-    if z.is_contiguous():
-        return z.view(-1).take(row_index * z.shape[1] + ids)
-    return z[row_index, ids]
-
-
-def write_at(z: torch.Tensor, row_index: torch.Tensor, ids: torch.Tensor, values: torch.Tensor) -> None:
-    """z[row_index, ids] = values, in place."""
-    if z.is_contiguous():
-        z.view(-1)[row_index * z.shape[1] + ids] = values
-    else:
-        z[row_index, ids] = values

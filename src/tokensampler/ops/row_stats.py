@@ -26,15 +26,32 @@ SUBNORMAL_ERROR = 2.0**-140  # per id
 def _count_and_mass(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """The fused form (compiled): one loop per row."""
-    count = (z >= lower[:, None]).sum(dim=-1)
-    return count, _mass(z, z_max, scale)
+    return _count(z, lower), _mass(z, z_max, scale)
 
 
 def _count_and_mass_eager(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
                           scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The eager form (TOKENSAMPLER_COMPILE=0): the reference's exp, in column chunks."""
-    count = (z >= lower[:, None]).sum(dim=-1, dtype=torch.int32).to(torch.int64)
-    return count, select.kept_mass(z, z_max, torch.full_like(z_max, float("-inf")), scale)
+    return _count_eager(z, lower), select.kept_mass(z, z_max, torch.full_like(z_max, float("-inf")), scale)
+
+
+def _count(z: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    return (z >= lower[:, None]).sum(dim=-1)
+
+
+def _count_eager(z: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """Column chunk by chunk: a bool sum converts its whole input to int first."""
+    count = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
+    for start, stop in select.column_chunks(z):
+        count += (z[:, start:stop] >= lower[:, None]).sum(dim=-1)
+    return count
+
+
+def winnable_count(z: torch.Tensor, lower: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: the ids with z >= lower (the count half of `winnable_count_and_mass`)."""
+    if not ts_compile.enabled():
+        return _count_eager(z, lower)
+    return ts_compile.maybe_compiled("winnable_count", _count)(z, lower)
 
 
 def winnable_count_and_mass(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,

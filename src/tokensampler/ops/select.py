@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .. import rng
-from .nonzero import nonzero_ids
+from .indexing import nonzero_ids, read_at
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -66,32 +66,36 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
     sorted by value descending if `sort`, and the count per row (computed here unless given); None
     if a row has more than `cap` (no sort of the row: one compare, one compaction, at most a sort
     of the W candidates). With `scale` (float32 [R]) the listed values are z / scale."""
-    if count is not None:
-        width = int(count.max()) if count.numel() else 0
-        if width > cap:
-            return None
-    mask = z >= lower[:, None]
     if count is None:
-        count = mask.sum(dim=-1, dtype=torch.int32).to(torch.int64)
-        width = int(count.max()) if count.numel() else 0
-        if width > cap:  # checked before the compaction, which would be as large as the row
-            return None
-    hits = nonzero_ids(mask.view(-1))
+        from .row_stats import winnable_count
+        count = winnable_count(z, lower)
+    width = int(count.max()) if count.numel() else 0
+    if width > cap:  # checked before the compaction, which would be as large as the row
+        return None
+    mask = z >= lower[:, None]
+    hits = nonzero_ids(mask.view(-1))  # flat, row-major: each row's hits are consecutive
     del mask
-    rows, cols = hits // z.shape[1], hits % z.shape[1]
-    start = torch.cumsum(count, dim=0) - count
-    slot = torch.arange(rows.numel(), device=z.device) - start[rows]
-    values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
-    ids = torch.zeros((z.shape[0], max(width, 1)), dtype=torch.int64, device=z.device)
-    values[rows, slot] = z[rows, cols] if scale is None else z[rows, cols] / scale[rows]
-    ids[rows, slot] = cols
+    rows = torch.div(hits, z.shape[1], rounding_mode="floor")
+    cols = hits.sub_(rows * z.shape[1])
+    width = max(width, 1)
+    # the i-th hit goes to flat position i + (row * width - first hit of the row) of the list
+    offset = torch.arange(z.shape[0], device=z.device) * width - (torch.cumsum(count, dim=0) - count)
+    dest = torch.arange(rows.numel(), device=z.device).add_(offset[rows])
+    picked = read_at(z, rows, cols)
+    if scale is not None:
+        picked.div_(scale[rows])
+    del rows
+    values = torch.full((z.shape[0], width), NEG_INF, dtype=z.dtype, device=z.device)
+    ids = torch.zeros((z.shape[0], width), dtype=torch.int64, device=z.device)
+    values.view(-1)[dest] = picked
+    ids.view(-1)[dest] = cols
     if not sort:
         return values, ids, count
     values, order = torch.sort(values, dim=-1, descending=True)
     return values, ids.gather(-1, order), count
 
 
-def _column_chunks(z: torch.Tensor) -> list[tuple[int, int]]:
+def column_chunks(z: torch.Tensor) -> list[tuple[int, int]]:
     """Column ranges of about COLUMN_CHUNK elements over the rows of z: bounds the temporaries."""
     width = max(1, COLUMN_CHUNK // max(z.shape[0], 1))
     return [(c, min(c + width, z.shape[1])) for c in range(0, z.shape[1], width)]
@@ -104,7 +108,7 @@ def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, scale: to
     values an in-place division would give)."""
     restricted = not bool(torch.isneginf(tau).all())
     total = torch.zeros(z.shape[0], dtype=torch.float64, device=z.device)
-    for start, stop in _column_chunks(z):
+    for start, stop in column_chunks(z):
         zc = z[:, start:stop] if scale is None else z[:, start:stop] / scale[:, None]
         p = (zc - z_max[:, None]).exp_()
         if restricted:
@@ -159,7 +163,7 @@ def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
             index.nan_to_num_(nan=0.0)  # -inf * 0 on rows whose only kept value is z_max
         return index.floor_().clamp_(0, bins - 1).to(torch.int32).add_(offsets)
 
-    chunks = _column_chunks(z)
+    chunks = column_chunks(z)
     masses = torch.zeros(rows * bins, dtype=torch.float64, device=z.device)
     for start, stop in chunks:
         zc = z[:, start:stop]
