@@ -80,7 +80,8 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
     list_floor = lower if scale is None else undivided_floor(lower, scale)
     count = row_mass = None
-    if cols.any_top_p and bool((cols.top_p < 1.0).all()):  # the list's width and the mass in one pass
+    # every row needs top-p's whole-row mass (nothing else removes ids): it comes with the count
+    if cols.any_top_p and not cols.any_top_k and not cols.any_min_p and bool((cols.top_p < 1.0).all()):
         count, row_mass = row_stats.winnable_count_and_mass(z, z_max, list_floor, scale)
     listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
