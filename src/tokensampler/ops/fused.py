@@ -1,16 +1,20 @@
 """Steps 7-11 for a block of sampled rows without sorting the vocabulary.
 
-`sample_rows` divides the rows by their temperature in place, then:
+`sample_rows` divides the rows by their temperature (in place, or where values are read when the
+rows are the caller's logits), then:
 
 1. `lower` = the z below which no id can win the Gumbel argmax (`select.win_floor`);
-2. the ids with z >= lower are gathered once (usually a few thousand: LLM logits are peaked) and
-   sorted; min-p, top-k and top-p thresholds come from this list wherever it provably holds them,
-   else from full-row passes (`select`), and the noise is computed on the list only;
+2. the ids with z >= lower are counted (`row_stats`, compiled; with top-p's whole-row mass when
+   every row needs it) and gathered once, unsorted (usually a few thousand: LLM logits are
+   peaked); min-p, top-k and top-p thresholds come from this list wherever it provably holds them
+   (top-p from a sorted head of it), else from full-row passes (`select`), and the noise is
+   computed on the list only;
 3. rows with too many winnable ids (flat logits) take the dense route: top-p by histogram, noise
    by the blocked pass of `gumbel_argmax_dense`.
 
 Every value compared is computed by the same float32/float64 operations as the reference on the
-same inputs, so the token is the definition's.
+same inputs, or carries an error bound with an exact recheck where it could matter (the compiled
+mass), so the token is the definition's.
 """
 
 from __future__ import annotations
