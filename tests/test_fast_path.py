@@ -430,3 +430,21 @@ def test_temperature_overflow_to_minus_inf_empties_the_row(mode):
     got = run_sampler(logits, params, logprobs_mode=mode)
     assert_same_output(want, got)
     assert got.valid.tolist() == [True, False] and got.token_ids.tolist() == [3, 0]
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logits"])
+def test_top_p_total_over_a_kept_set_longer_than_the_sorted_head(mode):
+    """top-k = 200 or min-p keep more ids than the 64-value head the top-p search starts from: the
+    total kept mass must come from the whole list (the kept set, seen through processed logits)."""
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(4, 400, generator=gen) * 0.3).float()
+    params = [SamplingParams(top_k=200, top_p=0.6, seed=1, logprobs=400),
+              SamplingParams(min_p=0.3, top_p=0.5, seed=2, logprobs=400),
+              SamplingParams(top_k=150, top_p=0.95, temperature=0.7, seed=3, logprobs=400),
+              SamplingParams(top_p=0.5, seed=4, logprobs=400)]
+    want = run_reference(logits, params, logprobs_mode=mode)
+    got = run_sampler(logits, params, logprobs_mode=mode)
+    assert_same_output(want, got)
+    if mode == "processed_logits":
+        kept = (got.logprobs.top_logprobs > NEG_INF).sum(dim=-1)
+        assert bool((kept[:3] > fused.TOP_P_HEAD).all()), kept

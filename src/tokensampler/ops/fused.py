@@ -140,8 +140,8 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
     uncertain total the threshold is found at both ends of the interval; rows where they differ
     get the exact total and are searched again."""
     top_p_rows = top_p < 1.0
-    total = torch.where(values >= tau[:, None], torch.exp(values - z_max[:, None]), 0.0).sum(
-        dim=-1, dtype=torch.float64)
+    head = _sorted_head(values, TOP_P_HEAD)
+    total = _list_mass(values, head, z_max, tau, top_p_rows & (tau >= lower))
     below_list = (tau < lower) & top_p_rows  # kept ids below the list: the total needs the whole row
     whole_row = below_list & torch.isneginf(tau)
     if row_mass is None:
@@ -156,39 +156,58 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
         rows = partial.nonzero().squeeze(-1)
         total = total.index_put((rows,), select.kept_mass(_rows_of(z, rows), z_max[rows], tau[rows],
                                                           _rows_of(scale, rows)))
-    tau_p, found, unsure = _top_p_search(values, z_max, tau, top_p, total, error, top_p_rows, exact_threshold)
+    tau_p, found, unsure = _top_p_search(values, head, z_max, tau, top_p, total, error, top_p_rows,
+                                         exact_threshold)
     if bool(unsure.any()):
         rows = unsure.nonzero().squeeze(-1)
         total = total.index_put((rows,), select.kept_mass(_rows_of(z, rows), z_max[rows], tau[rows],
                                                           _rows_of(scale, rows)))
         error = error.masked_fill(unsure, 0.0)
-        tau_p, found, _ = _top_p_search(values, z_max, tau, top_p, total, error, top_p_rows, exact_threshold)
+        tau_p, found, _ = _top_p_search(values, head, z_max, tau, top_p, total, error, top_p_rows,
+                                        exact_threshold)
     tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
     if exact_threshold:
         tau = _histogram_rows(z, z_max, tau, top_p * total, top_p_rows & ~found)
     return tau
 
 
-def _top_p_search(values: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, top_p: torch.Tensor,
-                  total: torch.Tensor, error: torch.Tensor, top_p_rows: torch.Tensor, exact_threshold: bool
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _sorted_head(values: torch.Tensor, width: int) -> torch.Tensor:
+    """The `width` largest values of each row, descending (the whole list, sorted, if shorter)."""
+    if width < values.shape[-1]:
+        return torch.topk(values, width, dim=-1).values
+    return torch.sort(values, dim=-1, descending=True).values
+
+
+def _list_mass(values: torch.Tensor, head: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
+               needed: torch.Tensor) -> torch.Tensor:
+    """float64 [R]: the mass of the listed ids with z >= tau, on the rows `needed` (others: the
+    head's part only); from the sorted head on rows whose kept ids all lie in it (tau above the
+    head's last value), from the whole list elsewhere."""
+    p_head = torch.where(head >= tau[:, None], torch.exp(head - z_max[:, None]), 0.0)
+    total = p_head.to(torch.float64).sum(dim=-1)
+    beyond = (head[:, -1] >= tau) & needed & (head.shape[-1] < values.shape[-1])
+    if bool(beyond.any()):
+        rows = beyond.nonzero().squeeze(-1)
+        listed = values[rows]
+        p = torch.where(listed >= tau[rows, None], torch.exp(listed - z_max[rows, None]), 0.0)
+        total[rows] = p.to(torch.float64).sum(dim=-1)
+    return total
+
+
+def _top_p_search(values: torch.Tensor, head: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
+                  top_p: torch.Tensor, total: torch.Tensor, error: torch.Tensor, top_p_rows: torch.Tensor,
+                  exact_threshold: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tau_p, found, unsure): the threshold for the bound top_p * total, searched on the sorted
     head of the list (the whole list for rows whose bound lies past it), and the rows whose answer
     changes somewhere in top_p * [total - error, total + error]."""
     low_bound, high_bound = top_p * (total - error), top_p * (total + error)
-    width = values.shape[-1]
-    head_width = min(width, TOP_P_HEAD)
     while True:
-        if head_width < width:
-            head = torch.topk(values, head_width, dim=-1).values
-        else:
-            head = torch.sort(values, dim=-1, descending=True).values
         mass_ge = select.masses_from_top(head, z_max, tau)
         tau_low, found_low = select.top_p_at(head, mass_ge, low_bound)
         tau_high, found_high = select.top_p_at(head, mass_ge, high_bound)
-        if head_width == width or bool((found_high | ~top_p_rows).all()):
+        if head.shape[-1] == values.shape[-1] or bool((found_high | ~top_p_rows).all()):
             break
-        head_width = width
+        head = _sorted_head(values, values.shape[-1])
     unsure = (found_low != found_high) | (found_high & (tau_low != tau_high))
     if exact_threshold:  # the histogram search past the list needs the exact bound
         unsure |= ~found_high
