@@ -300,9 +300,10 @@ def test_bench_shaped_rows_match_reference():
 # ------------------------------------------------------------------ mixed batches do per-row work
 def test_mixed_batch_routes_each_row_to_its_own_work(monkeypatch):
     """Greedy rows never reach the noise; only rows whose top-p needs the whole row's mass get the
-    full-row pass; the other rows work on their candidate lists."""
-    calls = {"noise_rows": 0, "kept_mass_rows": 0}
-    real_noise, real_mass = gumbel.gumbel_argmax_candidates, select.kept_mass
+    full-row pass (the tail below their list); the other rows work on their candidate lists."""
+    from tokensampler.ops import row_stats
+    calls = {"noise_rows": 0, "kept_mass_rows": 0, "tail_rows": 0}
+    real_noise, real_mass, real_tail = gumbel.gumbel_argmax_candidates, select.kept_mass, row_stats.tail_mass
 
     def noise(values, ids, keys):
         calls["noise_rows"] += values.shape[0]
@@ -312,8 +313,13 @@ def test_mixed_batch_routes_each_row_to_its_own_work(monkeypatch):
         calls["kept_mass_rows"] += z.shape[0]
         return real_mass(z, z_max, tau, scale)
 
+    def tail(z, *args):
+        calls["tail_rows"] += z.shape[0]
+        return real_tail(z, *args)
+
     monkeypatch.setattr(gumbel, "gumbel_argmax_candidates", noise)
     monkeypatch.setattr(select, "kept_mass", mass)
+    monkeypatch.setattr(row_stats, "tail_mass", tail)
     from tokensampler.bench import make_logits
     logits = make_logits(6, 5000, seed=1)
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, logprobs=2),
@@ -323,7 +329,7 @@ def test_mixed_batch_routes_each_row_to_its_own_work(monkeypatch):
     for b, p in enumerate(params):
         sampler.add_request(b, p, [])
     got = sampler.sample(logits)
-    assert calls == {"noise_rows": 3, "kept_mass_rows": 1}
+    assert calls == {"noise_rows": 3, "kept_mass_rows": 0, "tail_rows": 1}
     assert_same_output(run_reference(logits, params), got)
 
 

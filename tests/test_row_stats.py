@@ -1,6 +1,6 @@
-"""ops/row_stats: the fused count-and-mass pass and the error bound top-p relies on.
+"""ops/row_stats: the fused count-and-tail pass and the error bound top-p relies on.
 
-The compiled mass may differ from the reference's (eager exp) by an ulp per id; the sampler
+The compiled tail mass may differ from the reference's (eager exp) by an ulp per id; the sampler
 decides top-p at both ends of `mass_error` and recomputes the rows where they disagree. These tests
 measure the bound on the compiled kernel and check that an uncertain row is recomputed.
 """
@@ -28,9 +28,10 @@ def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int32).to(torch.int64) - b.view(torch.int32).to(torch.int64)).abs()
 
 
-def test_compiled_mass_is_within_the_error_bound(monkeypatch):
+def test_compiled_tail_is_within_the_error_bound(monkeypatch):
     """Inductor's exp is within 2 ulps of eager torch.exp over the range the mass sees, and the
-    fused mass is within `mass_error` of `select.kept_mass` (eager exp, the reference's)."""
+    fused tail is within `mass_error` of the eager sum (the reference's exp), with and without a
+    scale (undivided rows)."""
     from tokensampler import compile as ts_compile
     monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
     gen = torch.Generator().manual_seed(5)
@@ -40,35 +41,43 @@ def test_compiled_mass_is_within_the_error_bound(monkeypatch):
     assert int(_ulps(compiled_exp(x), torch.exp(x)).max()) <= 2
     from tokensampler.bench import make_logits
     for flat in (False, True):
-        z = make_logits(6, 20000, flat=flat, seed=3) / 0.7
-        z[1, ::3] = NEG_INF
+        raw = make_logits(6, 20000, flat=flat, seed=3)
+        raw[1, ::3] = NEG_INF
+        scale = torch.full((6,), 0.7)
+        z = raw / 0.7
         z_max = z.amax(dim=-1)
-        lower = z_max - 20
-        count, mass = row_stats.winnable_count_and_mass(z, z_max, lower)
-        exact = select.kept_mass(z, z_max, torch.full_like(z_max, NEG_INF))
-        assert torch.equal(count, (z >= lower[:, None]).sum(dim=-1))
-        assert bool(((mass - exact).abs() <= row_stats.mass_error(exact, z.shape[1])).all())
-        assert bool(((mass - exact).abs() > 0).any()) or not flat  # the bound is not vacuous here
+        floor = z_max - 6
+        want_count = (z >= floor[:, None]).sum(dim=-1)
+        p = torch.exp(z - z_max[:, None])
+        exact = torch.where(z >= floor[:, None], 0.0, p).to(torch.float64).sum(dim=-1)
+        for rows, given_floor, given_scale in ((z, floor, None), (raw, floor * 0.7, scale)):
+            count, tail = row_stats.winnable_count_and_tail(rows, z_max, given_floor, given_scale)
+            if given_scale is None:
+                assert torch.equal(count, want_count)
+            assert bool(((tail - exact).abs() <= row_stats.mass_error(exact, z.shape[1])).all())
+        count, tail = row_stats.winnable_count_and_tail(z, z_max, floor)
+        assert bool(((tail - exact).abs() > 0).any())  # the bound is not vacuous here
 
 
 @pytest.mark.parametrize("checked", [True, False])
 def test_uncertain_top_p_rows_get_the_exact_mass(checked, monkeypatch):
-    """p = 1, 1/2, 1/4, 1/4 with top_p = 0.75: the bound 1.5 equals the mass above the 1/4 ids, so
-    they go. A whole-row mass off by 1e-7 (inside the error bound) would keep them; the sampler
-    sees the row is uncertain and recomputes its mass. With the check switched off (error 0) the
-    perturbed mass gives a different kept set: the test sees the difference."""
-    real = row_stats._count_and_mass_eager
+    """p = 1, 1/2, 1/4, 1/4 (+ a tail of tiny p) with top_p * total just below 1.5, the mass above
+    the 1/4 ids, so they go. A tail off by 4e-7 of itself (inside the error bound) would keep them; the sampler sees the row is uncertain and recomputes its mass. With the check
+    switched off (error 0) the perturbed tail gives a different kept set: the test sees it."""
+    real = row_stats._tail_eager
 
-    def perturbed(z, z_max, lower, scale):
-        count, mass = real(z, z_max, lower, scale)
-        return count, mass * (1 + 1e-7)
+    def perturbed(z, z_max, floor, scale):
+        return real(z, z_max, floor, scale) * (1 + 4e-7)  # inside MASS_RELATIVE_ERROR = 2^-21
 
-    monkeypatch.setattr(row_stats, "_count_and_mass_eager", perturbed)
+    monkeypatch.setattr(row_stats, "_tail_eager", perturbed)
     if not checked:
         monkeypatch.setattr(row_stats, "MASS_RELATIVE_ERROR", 0.0)
-    row = [0.0, math.log(0.5), math.log(0.25), math.log(0.25)] + [NEG_INF] * 60
+    tail = [-20.5] * 2000  # below the winnable floor (~ -20.1): their p (1.25e-9 each) is the tail
+    row = [0.0, math.log(0.5), math.log(0.25), math.log(0.25)] + tail + [NEG_INF] * 20
     logits = torch.tensor([row, row])
-    params = [SamplingParams(top_p=0.75, seed=s, logprobs=4) for s in (1, 2)]
+    total = 2.0 + 2000 * float(torch.exp(torch.tensor(-20.5)).double())
+    top_p = (1.5 - 1e-13) / total  # the bound lands just below 1.5: the 1/4 ids go
+    params = [SamplingParams(top_p=top_p, seed=s, logprobs=4) for s in (1, 2)]
     want = run_reference(logits, params, logprobs_mode="processed_logits")
     got = run_sampler(logits, params, logprobs_mode="processed_logits")
     kept = {int(i) for i, v in zip(got.logprobs.top_token_ids[0], got.logprobs.top_logprobs[0]) if v > NEG_INF}

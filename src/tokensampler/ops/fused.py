@@ -83,10 +83,10 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
     list_floor = lower if scale is None else undivided_floor(lower, scale)
-    count = row_mass = None
+    count = tail = None
     # every row needs top-p's whole-row mass (nothing else removes ids): it comes with the count
     if cols.any_top_p and not cols.any_top_k and not cols.any_min_p and bool((cols.top_p < 1.0).all()):
-        count, row_mass = row_stats.winnable_count_and_mass(z, z_max, list_floor, scale)
+        count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale)
     listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         kth = select.top_k_threshold(z, cols.top_k)[0]  # division is monotone: the k-th of z / T
@@ -123,34 +123,36 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
                                                             z, rows, scale, k[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
-        tau = _top_p(z, z_max, values, tau, lower, row_mass, cols.top_p, exact_threshold, scale)
+        tau = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale)
     noisy = values.masked_fill(values < tau[:, None], NEG_INF)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
 
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
-           row_mass: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
+           list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the unsorted
-    candidate list `values` (every id >= lower).
+    candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own units).
 
-    The total kept mass: from the list when tau lies inside it; `row_mass` (the whole row, within
-    `row_stats.mass_error`; computed here for those rows when not given) when nothing else removed
-    ids; else an exact full-row pass. With an
-    uncertain total the threshold is found at both ends of the interval; rows where they differ
-    get the exact total and are searched again."""
+    The total kept mass: from the list when tau lies inside it; when nothing else removed ids, the
+    list's mass plus `tail` (the ids below list_floor, within `row_stats.mass_error`; computed here
+    for those rows when not given); else an exact full-row pass. With an uncertain total the
+    threshold is found at both ends of the interval; rows where they differ get the exact total
+    and are searched again."""
     top_p_rows = top_p < 1.0
     head = _sorted_head(values, TOP_P_HEAD)
     total = _list_mass(values, head, z_max, tau, top_p_rows & (tau >= lower))
     below_list = (tau < lower) & top_p_rows  # kept ids below the list: the total needs the whole row
     whole_row = below_list & torch.isneginf(tau)
-    if row_mass is None:
-        row_mass = torch.zeros_like(total)
-        if bool(whole_row.any()):
+    error = torch.zeros_like(total)
+    if bool(whole_row.any()):
+        if tail is None:
+            tail = torch.zeros_like(total)
             rows = whole_row.nonzero().squeeze(-1)
-            row_mass[rows] = row_stats.whole_row_mass(_rows_of(z, rows), z_max[rows], _rows_of(scale, rows))
-    total = torch.where(whole_row, row_mass, total)
-    error = torch.where(whole_row, row_stats.mass_error(row_mass, z.shape[1]), 0.0)
+            tail[rows] = row_stats.tail_mass(_rows_of(z, rows), z_max[rows], list_floor[rows], _rows_of(scale, rows))
+        listed = torch.exp(values - z_max[:, None]).to(torch.float64).sum(dim=-1)  # -inf padding: 0
+        total = torch.where(whole_row, listed + tail, total)
+        error = torch.where(whole_row, row_stats.mass_error(tail, z.shape[1]), 0.0)
     partial = below_list & ~whole_row
     if bool(partial.any()):
         rows = partial.nonzero().squeeze(-1)
