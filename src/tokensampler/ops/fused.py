@@ -124,8 +124,18 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
         tau = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale)
-    noisy = values.masked_fill(values < tau[:, None], NEG_INF)
+    noisy, ids = _kept_only(values.masked_fill(values < tau[:, None], NEG_INF), ids)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
+
+
+def _kept_only(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The list narrowed to its kept entries (values > -inf) when they are a small part of it: the
+    noise is then computed for the kept ids only (top-k, peaked top-p)."""
+    kept = int((values > NEG_INF).sum(dim=-1).max()) if values.numel() else 0
+    if kept * 4 > values.shape[-1]:
+        return values, ids
+    top = torch.topk(values, max(kept, 1), dim=-1)
+    return top.values, ids.gather(-1, top.indices)
 
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
