@@ -181,17 +181,23 @@ class TorchStep:
         asked = [b for b in range(stop - start) if plan.num_logprobs[start + b] >= 0]
         if not asked:
             return
+        width = result.top_token_ids.shape[1]
+        maxima = None  # chunk maxima of the scores, when the top-N needs them
         if final is None:
             rows = logits[start:stop] if len(asked) == stop - start else logits[start:stop][asked]
             scores = rows[:, :self.vocab_size]
-            top = scores.amax(dim=-1)  # NaN or +inf anywhere in the rows: the float32 copy with its rules
-            if scores.dtype != torch.float32 or not bool(torch.isfinite(top).all()):
+            finite = False
+            if scores.dtype == torch.float32:  # NaN or +inf anywhere: the float32 copy with its rules
+                maxima = logprobs.chunk_maxima(scores) if width else None
+                finite = bool(torch.isfinite(maxima.amax(dim=-1) if width else scores.amax(dim=-1)).all())
+            if not finite:
                 scores = masking.saturate_posinf(masking.prepare_logits(rows, self.vocab_size))
+                maxima = None
         else:
-            scores = final[asked]
-        values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
+            scores = final if len(asked) == stop - start else final[asked]
         num = torch.tensor([plan.num_logprobs[start + b] for b in asked], dtype=torch.int64, device=tokens.device)
-        part = logprobs.gather_logprobs(scores, values, tokens[asked], num, result.top_token_ids.shape[1])
+        part = logprobs.gather_logprobs(scores, tokens[asked], num, width,
+                                        normalise=self.logprobs_mode.endswith("logprobs"), maxima=maxima)
         where = [start + b for b in asked]
         result.token_logprobs[where] = part.token_logprobs
         result.token_ranks[where] = part.token_ranks
