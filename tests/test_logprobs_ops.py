@@ -68,7 +68,7 @@ def test_top_n_ids_chunked_on_peaked_rows_with_a_tie_at_the_nth_value():
 
 
 def test_order_keys_sort_like_a_stable_descending_sort():
-    values = torch.tensor([[0.0, -0.0, 1.5, NEG_INF, -1e-30, 1e-30, -2.0, 1.5, NEG_INF, -0.0, 3e38, -3e38]])
+    values = torch.tensor([[-0.0, 0.0, 1.5, NEG_INF, -1e-30, 1e-30, -2.0, 1.5, NEG_INF, -0.0, 3e38, -3e38]])
     ids = torch.arange(values.shape[1])
     order = torch.argsort(logprobs.order_keys(values, ids), dim=-1, descending=True)
     assert torch.equal(order[0], stable_top(values[0], values.shape[1]))
