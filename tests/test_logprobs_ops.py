@@ -77,8 +77,15 @@ def test_order_keys_sort_like_a_stable_descending_sort():
 def check_values_and_ranks(scores: torch.Tensor, tokens: torch.Tensor, width: int, monkeypatch, compiled: bool):
     monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1" if compiled else "0")
     num = torch.full((scores.shape[0],), width, dtype=torch.int64)
-    maxima = logprobs.chunk_maxima(scores) if width else None
-    got = logprobs.gather_logprobs(scores, tokens, num, width, normalise=True, maxima=maxima)
+    raw = scores.clone()
+    raw[:, 1::5][raw[:, 1::5] == NEG_INF] = float("nan")  # raw rows: NaN = removed, cleaned when gathered
+    rows = logprobs.ScoreRows(raw, clean=False)
+    for got in (logprobs.gather_logprobs(scores, tokens, num, width, normalise=True),
+                logprobs.gather_logprobs(rows, tokens, num, width, True, logprobs.row_stats(scores, True))):
+        check_against_reference(scores, tokens, width, got)
+
+
+def check_against_reference(scores, tokens, width, got):
     want_values = torch.stack([torch.log_softmax(row, -1) if bool((row > NEG_INF).any()) else row.clone()
                                for row in scores])
     for r in range(scores.shape[0]):
@@ -114,7 +121,7 @@ def test_the_compiled_normaliser_follows_atens_order(monkeypatch):
     monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
     scores = make_logits(3, 151936, seed=0)
     row_max = scores.amax(-1)
-    log_sum, _ = logprobs.normaliser_and_ranks(scores, row_max, row_max, lanes)
+    log_sum = logprobs.normaliser(scores, row_max, lanes)
     want = -torch.log_softmax(scores, -1).gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
     assert bool(((log_sum - want).abs() <= 4 * torch.finfo(torch.float32).eps * want.abs()).all())
     exact = torch.exp((scores - row_max[:, None]).double()).sum(-1).log()

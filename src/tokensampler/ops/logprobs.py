@@ -24,6 +24,8 @@ Inputs here are float32 scores without NaN or +inf (the caller's `masking` rules
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .. import compile as ts_compile
@@ -31,6 +33,7 @@ from ..output import LogprobsOutput
 
 NEG_INF = float("-inf")
 CHUNK = 64  # ids per chunk of the top-N search (V / CHUNK chunk maxima per row)
+RANK_CHUNKS = 256  # most chunks a rank is counted in before a full-row count
 _ATEN_LANES = {"AVX512": 16, "AVX2": 8}  # float32 lanes of ATen's Vectorized<float> per capability
 
 
@@ -56,15 +59,68 @@ def log_softmax_rows(scores: torch.Tensor) -> torch.Tensor:
     return values.masked_fill_(all_removed, NEG_INF) if bool(all_removed.any()) else values
 
 
-def _lane_sums_and_counts(x3: torch.Tensor, row_max: torch.Tensor, threshold: torch.Tensor):
-    """x3: float32 [R, n, L]. Per lane: sequential float32 sum of exp(x - max) (no cascade: the
-    reduction length is unbacked) and the count of x >= threshold. Both [R, L]."""
-    sums = torch.exp(x3 - row_max[:, None, None]).sum(dim=1)
-    counts = (x3 >= threshold[:, None, None]).sum(dim=1, dtype=torch.int32)
-    return sums, counts
+class ScoreRows:
+    """The scores of some rows, read by gathers: either clean float32 scores, or the raw logits rows
+    themselves (any float dtype, NaN = removed: cleaned in what is gathered), so that the raw modes
+    need no float32 copy of the rows. `full()` is the clean float32 [R, V] (a copy if raw)."""
+
+    def __init__(self, scores: torch.Tensor, clean: bool = True) -> None:
+        self.scores, self.clean = scores, clean
+        self._full = scores if clean else None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.scores.shape
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        values = self.scores.gather(-1, ids)
+        if self.clean:
+            return values
+        values = values.to(torch.float32)
+        return values.masked_fill_(torch.isnan(values), NEG_INF)
+
+    def full(self) -> torch.Tensor:
+        if self._full is None:
+            full = self.scores.to(torch.float32, copy=True)
+            self._full = full.masked_fill_(torch.isnan(full), NEG_INF)
+        return self._full
 
 
-def _lane_counts(x3: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
+def _as_rows(scores) -> ScoreRows:
+    return scores if isinstance(scores, ScoreRows) else ScoreRows(scores)
+
+
+@dataclass
+class RowStats:
+    """Per-row facts of clean float32 scores [R, V], from passes over the rows while they are in
+    cache: chunk maxima float32 [R, ceil(V / CHUNK)], row max float32 [R], and log S float32 [R]
+    (the normaliser in ATen's order, NaN where the row max is -inf; None if not asked/not compiled)."""
+    maxima: torch.Tensor
+    row_max: torch.Tensor
+    log_sum: torch.Tensor | None
+
+
+def fast_normaliser(vocab: int) -> int:
+    """ATen's lane count when the compiled normaliser applies (compile on, known lanes), else 0."""
+    lanes = aten_lanes() if ts_compile.enabled() else 0
+    return lanes if vocab >= lanes else 0
+
+
+def row_stats(scores: torch.Tensor, normalise: bool) -> RowStats:
+    """scores: clean float32 [R, V] (no NaN; +inf rows are the caller's to exclude)."""
+    maxima = chunk_maxima(scores)
+    row_max = maxima.amax(dim=-1)
+    lanes = fast_normaliser(scores.shape[1]) if normalise else 0
+    return RowStats(maxima, row_max, normaliser(scores, row_max, lanes) if lanes else None)
+
+
+def _lane_sums(x3: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
+    """x3: float32 [R, n, L] -> [R, L]: per lane, the sequential float32 sum of exp(x - max) (no
+    cascade summation: the caller marks the reduction length unbacked)."""
+    return torch.exp(x3 - row_max[:, None, None]).sum(dim=1)
+
+
+def _counts(x3: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return (x3 >= threshold[:, None, None]).sum(dim=(1, 2), dtype=torch.int32)
 
 
@@ -76,35 +132,43 @@ def _fold_lanes(lanes: torch.Tensor) -> torch.Tensor:
     return lanes[..., 0]
 
 
-def normaliser_and_ranks(scores: torch.Tensor, row_max: torch.Tensor, token_scores: torch.Tensor,
-                         lanes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """scores: float32 [R, V] (rows may be strided, the last dim contiguous); row_max, token_scores:
-    float32 [R]; lanes: `aten_lanes()` (> 0, V >= lanes). Returns (log S float32 [R] with
-    S = sum exp(scores - row_max) summed in ATen's log_softmax order; rank int64 [R]: the number of
-    ids with score >= token score). Rows whose max is -inf get a NaN log S (the caller masks them)."""
+def normaliser(scores: torch.Tensor, row_max: torch.Tensor, lanes: int) -> torch.Tensor:
+    """scores: float32 [R, V] (rows may be strided, the last dim contiguous); row_max: float32 [R];
+    lanes: `fast_normaliser(V)` (> 0). Returns log S float32 [R], S = sum exp(scores - row_max)
+    summed in ATen's log_softmax order. Rows whose max is -inf get NaN (the caller masks them)."""
     rows, vocab = scores.shape
     main = vocab - vocab % lanes
     x3 = scores[:, :main].unflatten(-1, (main // lanes, lanes))
     torch._dynamo.decorators.mark_unbacked(x3, 1)  # a fixed-order sum: no cascade summation
-    fn = ts_compile.maybe_compiled("logprob_lanes", _lane_sums_and_counts)
-    sums, counts = fn(x3, row_max, token_scores)
-    ranks = counts.sum(dim=-1, dtype=torch.int64)
+    sums = ts_compile.maybe_compiled("logprob_lanes", _lane_sums)(x3, row_max)
     if main < vocab:  # ATen adds the tail vector into the first lanes
-        tail = scores[:, main:]
         sums = sums.clone()
-        sums[:, :vocab - main] += torch.exp(tail - row_max[:, None])
-        ranks += (tail >= token_scores[:, None]).sum(dim=-1)
-    return torch.log(_fold_lanes(sums)), ranks
+        sums[:, :vocab - main] += torch.exp(scores[:, main:] - row_max[:, None])
+    return torch.log(_fold_lanes(sums))
 
 
 def ranks_of(scores: torch.Tensor, token_scores: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: ids with score >= token score (compiled count when available)."""
+    """int64 [R]: ids with score >= token score, over clean float32 scores (compiled count when on)."""
     if ts_compile.enabled() and scores.shape[1] >= CHUNK:
         main = scores.shape[1] - scores.shape[1] % CHUNK
         x3 = scores[:, :main].unflatten(-1, (main // CHUNK, CHUNK))
-        ranks = ts_compile.maybe_compiled("logprob_counts", _lane_counts)(x3, token_scores).to(torch.int64)
+        ranks = ts_compile.maybe_compiled("logprob_counts", _counts)(x3, token_scores).to(torch.int64)
         return ranks + (scores[:, main:] >= token_scores[:, None]).sum(dim=-1)
     return (scores >= token_scores[:, None]).sum(dim=-1, dtype=torch.int32).to(torch.int64)
+
+
+def ranks_from_chunks(rows: ScoreRows, maxima: torch.Tensor, token_scores: torch.Tensor) -> torch.Tensor:
+    """int64 [R]: ids with score >= token score, counted only in the chunks whose max reaches it
+    (`topk` of the maxima, as many as the row with the most); a full count if that is over
+    RANK_CHUNKS chunks (a token far down its row)."""
+    vocab = rows.shape[1]
+    reach = int((maxima >= token_scores[:, None]).sum(dim=-1).max())
+    if reach > RANK_CHUNKS:
+        return ranks_of(rows.full(), token_scores)
+    chunks = torch.topk(maxima, reach, dim=-1).indices  # every chunk with max >= token score
+    ids = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=maxima.device)).flatten(1)
+    hits = (rows.gather(ids.clamp(max=vocab - 1)) >= token_scores[:, None]) & (ids < vocab)
+    return hits.sum(dim=-1, dtype=torch.int32).to(torch.int64)
 
 
 def chunk_maxima(scores: torch.Tensor) -> torch.Tensor:
@@ -117,25 +181,26 @@ def chunk_maxima(scores: torch.Tensor) -> torch.Tensor:
     return maxima
 
 
-def top_n_ids(scores: torch.Tensor, num: torch.Tensor, width: int,
-              maxima: torch.Tensor | None = None) -> torch.Tensor:
+def top_n_ids(scores, num: torch.Tensor, width: int, maxima: torch.Tensor | None = None) -> torch.Tensor:
     """int64 [R, width]: per row the ids of the `num[r]` largest scores ordered by score descending
     then id ascending (a stable descending sort's first `num[r]`); positions >= num[r] are -1.
-    `maxima`: `chunk_maxima(scores)` if already computed. Requires num <= V."""
-    rows, vocab = scores.shape
-    position = torch.arange(width, device=scores.device)[None, :]
+    scores: clean float32 [R, V] or a `ScoreRows`; `maxima`: its `chunk_maxima` if already
+    computed. Requires num <= V."""
+    rows = _as_rows(scores)
+    vocab = rows.shape[1]
+    position = torch.arange(width, device=rows.scores.device)[None, :]
     if width * CHUNK * 4 > vocab:  # wide top-N or a small vocabulary: sort the rows
-        ids = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :width]
+        ids = torch.sort(rows.full(), dim=-1, descending=True, stable=True).indices[:, :width]
         return ids.masked_fill_(position >= num[:, None], -1)
     if maxima is None:
-        maxima = chunk_maxima(scores)
+        maxima = chunk_maxima(rows.full())
     # the first `width` chunks by (max desc, index asc), then put back in index (= id) order
-    chunk_index = torch.arange(maxima.shape[1], device=scores.device)
+    chunk_index = torch.arange(maxima.shape[1], device=maxima.device)
     chunks = torch.topk(order_keys(maxima, chunk_index), min(width, maxima.shape[1]), dim=-1).indices
     chunks = torch.sort(chunks, dim=-1).values
-    ids = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=scores.device)).flatten(1)
+    ids = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=maxima.device)).flatten(1)
     outside = ids >= vocab  # past the end of a short last chunk: value -inf, after every real id
-    values = scores.gather(-1, ids.clamp(max=vocab - 1)).masked_fill_(outside, NEG_INF)
+    values = rows.gather(ids.clamp(max=vocab - 1)).masked_fill_(outside, NEG_INF)
     order = torch.topk(order_keys(values, ids), width, dim=-1).indices
     return ids.gather(-1, order).masked_fill_(position >= num[:, None], -1)
 
@@ -149,36 +214,38 @@ def order_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return ordered * (1 << 32) + ((1 << 32) - 1 - ids)
 
 
-def gather_logprobs(scores: torch.Tensor, tokens: torch.Tensor, num_logprobs: torch.Tensor, width: int,
-                    normalise: bool, maxima: torch.Tensor | None = None) -> LogprobsOutput:
-    """scores: float32 [B, V] without NaN or +inf (-inf = removed); tokens: int64 [B];
-    num_logprobs: int64 [B] (N per row, <= V; rows that asked fewer are padded with id -1 / -inf);
-    width: N of the output; normalise: values are log_softmax of the scores (else the scores);
-    maxima: `chunk_maxima(scores)` if the caller has it."""
-    rows, vocab = scores.shape
-    token_scores = scores.gather(-1, tokens[:, None]).squeeze(-1)
+def gather_logprobs(scores, tokens: torch.Tensor, num_logprobs: torch.Tensor, width: int,
+                    normalise: bool, stats: RowStats | None = None) -> LogprobsOutput:
+    """scores: clean float32 [B, V] (no NaN or +inf; -inf = removed) or a `ScoreRows`;
+    tokens: int64 [B]; num_logprobs: int64 [B] (N per row, <= V; rows that asked fewer are padded
+    with id -1 / -inf); width: N of the output; normalise: values are log_softmax of the scores
+    (else the scores); stats: `row_stats` of these scores if the caller has them."""
+    rows = _as_rows(scores)
+    batch, vocab = rows.shape
+    device = rows.scores.device
+    if stats is None:
+        stats = row_stats(rows.full(), normalise)
+    token_scores = rows.gather(tokens[:, None]).squeeze(-1)
     if width > 0:
-        top_ids = top_n_ids(scores, num_logprobs, width, maxima)
+        top_ids = top_n_ids(rows, num_logprobs, width, stats.maxima)
         padding = top_ids < 0
-        top_scores = scores.gather(-1, top_ids.clamp(min=0))
+        top_scores = rows.gather(top_ids.clamp(min=0))
     else:
-        top_ids = torch.empty((rows, 0), dtype=torch.int64, device=scores.device)
-        padding = torch.empty((rows, 0), dtype=torch.bool, device=scores.device)
-        top_scores = torch.empty((rows, 0), dtype=torch.float32, device=scores.device)
-    lanes = aten_lanes()
+        top_ids = torch.empty((batch, 0), dtype=torch.int64, device=device)
+        padding = torch.empty((batch, 0), dtype=torch.bool, device=device)
+        top_scores = torch.empty((batch, 0), dtype=torch.float32, device=device)
+    ranks = ranks_from_chunks(rows, stats.maxima, token_scores)
     if not normalise:
-        ranks = ranks_of(scores, token_scores)
         token_values, top_values = token_scores, top_scores
-    elif lanes and ts_compile.enabled() and vocab >= lanes:
-        row_max = maxima.amax(dim=-1) if maxima is not None else scores.amax(dim=-1)
-        log_sum, ranks = normaliser_and_ranks(scores, row_max, token_scores, lanes)
+    elif stats.log_sum is not None:
         # ATen's order of operations: (x - max) - log S; a row with every id removed stays -inf
-        shift = torch.where(row_max == NEG_INF, float("inf"), row_max)
-        token_values = (token_scores - shift) - log_sum.masked_fill(row_max == NEG_INF, 0.0)
-        top_values = (top_scores - shift[:, None]) - log_sum.masked_fill(row_max == NEG_INF, 0.0)[:, None]
+        removed = stats.row_max == NEG_INF
+        shift = stats.row_max.masked_fill(removed, float("inf"))
+        log_sum = stats.log_sum.masked_fill(removed, 0.0)
+        token_values = (token_scores - shift) - log_sum
+        top_values = (top_scores - shift[:, None]) - log_sum[:, None]
     else:
-        values = log_softmax_rows(scores)
-        ranks = ranks_of(scores, token_scores)
+        values = log_softmax_rows(rows.full())
         token_values = values.gather(-1, tokens[:, None]).squeeze(-1)
         top_values = values.gather(-1, top_ids.clamp(min=0))
     return LogprobsOutput(token_values, ranks, top_ids, top_values.masked_fill(padding, NEG_INF))
