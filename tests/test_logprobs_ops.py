@@ -128,8 +128,9 @@ def test_the_compiled_normaliser_follows_atens_order(monkeypatch):
     assert bool(((exact - want.double()).abs() > 1e-6).any())  # the reason for the lane order
 
 
+@pytest.mark.parametrize("variant", ["plain", "nan", "posinf", "bf16", "padded"])
 @pytest.mark.parametrize("mode", MODES)
-def test_sampler_logprobs_wide_vocab_all_modes(monkeypatch, mode):
+def test_sampler_logprobs_wide_vocab_all_modes(monkeypatch, mode, variant):
     """End to end on a vocabulary wide enough for the chunked top-N: ties at the N-th value, -inf
     ids and rows, rows asking different N (0 included) or nothing, greedy and sampled rows."""
     monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
@@ -140,13 +141,24 @@ def test_sampler_logprobs_wide_vocab_all_modes(monkeypatch, mode):
     logits[1, ::2] = NEG_INF
     logits[2] = NEG_INF  # no id left: invalid, raw greedy id
     logits[3] = torch.round(logits[3])  # ties everywhere
+    vocab_size = None
+    if variant == "nan":
+        logits[0, 7::13] = float("nan")
+        logits[5, 0] = float("nan")
+    elif variant == "posinf":
+        logits[3, [5, 900]] = float("inf")
+    elif variant == "bf16":
+        logits = logits.to(torch.bfloat16)
+    elif variant == "padded":
+        vocab_size = vocab - 37
+        logits[:, vocab_size:] = 100.0
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=20),
               SamplingParams(temperature=0.0, logprobs=5),
               SamplingParams(temperature=1.0, seed=2, logprobs=3),
               SamplingParams(temperature=0.7, top_k=4, seed=3, logprobs=0),
               SamplingParams(temperature=1.0, min_p=0.2, seed=4),
               SamplingParams(temperature=1.2, top_p=0.5, seed=5, logprobs=7)]
-    want = run_reference(logits, params, logprobs_mode=mode)
-    got = run_sampler(logits, params, logprobs_mode=mode)
+    want = run_reference(logits, params, logprobs_mode=mode, vocab_size=vocab_size)
+    got = run_sampler(logits, params, logprobs_mode=mode, vocab_size=vocab_size)
     assert_same_output(want, got)
     assert got.logprobs.token_ranks[4] == 0 and got.logprobs.token_logprobs[4] == 0  # did not ask
