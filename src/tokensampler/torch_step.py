@@ -211,7 +211,7 @@ class TorchStep:
             scores = final if len(asked) == stop - start else final[asked]
         num = torch.tensor([plan.num_logprobs[start + b] for b in asked], dtype=torch.int64, device=tokens.device)
         part = logprobs.gather_logprobs(scores, tokens[asked], num, width, normalise, raw_stats)
-        where = [start + b for b in asked]
+        where = slice(start, stop) if len(asked) == stop - start else [start + b for b in asked]
         result.token_logprobs[where] = part.token_logprobs
         result.token_ranks[where] = part.token_ranks
         result.top_token_ids[where] = part.top_token_ids
