@@ -4,22 +4,26 @@ Values are `log_softmax` (or the scores themselves, in the `*_logits` modes) ove
 and the top-N order are taken on the scores, value then lower id, so rounding to logprobs never
 creates or breaks a tie. Nothing of the row's size is written:
 
-- **normaliser and rank, one pass.** `log_softmax` is needed only at the token and the top-N ids:
-  `(x - max) - log(S)`, `S = sum exp(x - max)`. One compiled reduction per row gives `S` and the
-  rank (ids with a score >= the token's). `S` is summed in the order of ATen's CPU `log_softmax`
-  (one float32 accumulator per vector lane, sequential over the row, the tail added to the first
-  lanes, then the lanes folded in halves), so the values stay within a few float32 ulps of
-  `torch.log_softmax` (a float64 sum would be *more* accurate and differ from it by up to ~1e-5:
-  ATen's float32 lanes drop tiny terms). The lead's bound, tested: |diff| <= 1e-6 + 1e-6 |value|.
-- **top-N from chunk maxima.** The row is cut into chunks of `CHUNK` ids; the N chunks first by
-  (chunk max desc, chunk index asc) hold the N ids first by (score desc, id asc) (each chunk's best
-  id ranks ahead of every other id of the chunk). One max pass, then `topk` twice on small int64
-  keys that encode (value desc, id asc) exactly (`order_keys`): over the chunk maxima, and over the
-  N x CHUNK gathered scores. Exact, ties at the N-th value included.
+- **row stats while the rows are in cache** (`row_stats`): chunk maxima (runs of `CHUNK` ids)
+  and the row max from one max pass; the normaliser `S = sum exp(x - max)` from one compiled pass.
+  `log_softmax` is needed only at the token and the top-N ids: `(x - max) - log(S)`. `S` is summed
+  in the order of ATen's CPU `log_softmax` (one float32 accumulator per vector lane, sequential
+  over the row, the tail added to the first lanes, then the lanes folded in halves), so the values
+  stay within a few float32 ulps of `torch.log_softmax` (a float64 sum would be *more* accurate and
+  differ from it by up to ~1e-5: ATen's float32 lanes drop tiny terms). Tested bound:
+  |diff| <= 1e-6 + 1e-6 |value| (docs/semantics.md).
+- **top-N from chunk maxima.** The N chunks first by (chunk max desc, chunk index asc) hold the N
+  ids first by (score desc, id asc) (each chunk's best id ranks ahead of every other id of the
+  chunk): `topk` twice on small int64 keys that encode (value desc, id asc) exactly
+  (`order_keys`), over the chunk maxima and over the N x CHUNK gathered scores. Exact, ties at the
+  N-th value included.
+- **rank** (ids with a score >= the token's): counted in the chunks whose max reaches the token's
+  score (`ranks_from_chunks`), a full-row count when too many do.
 
-Without torch.compile, or where ATen's lane width is unknown, the values come from
-`torch.log_softmax` of the rows (exact) and the rank from one compare-and-count.
-Inputs here are float32 scores without NaN or +inf (the caller's `masking` rules); -inf = removed.
+After the stats, the scores are only gathered (`ScoreRows`: clean float32 scores, or raw logits
+rows cleaned in what is gathered). Without torch.compile, or where ATen's lane width is unknown,
+the values come from `torch.log_softmax` of the rows (exact). Clean scores: float32 without NaN
+or +inf (the caller's `masking` rules); -inf = removed.
 """
 
 from __future__ import annotations
