@@ -22,6 +22,7 @@ from typing import Sequence
 
 import torch
 
+from . import compile as ts_compile
 from . import rng
 from .ops import fused, logprobs, masking, penalties
 from .ops.argmax import first_argmax
@@ -201,6 +202,7 @@ class TorchStep:
         block_params = rows[start:stop]
         slots = index[start:stop]
         z = masking.prepare_logits_into(self._workspace(stop - start), logits[start:stop])
+        raw_stats = self._raw_logprob_stats(z, plan, start, stop) if result is not None else None
         may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
         raw_argmax = first_argmax(z) if may_empty else None  # NaN already -inf; +inf counts as max
         if any(p.allowed_token_ids is not None for p in block_params):
@@ -244,7 +246,7 @@ class TorchStep:
         tokens[start:stop] = block_tokens
         valid[start:stop] = block_valid
         if result is not None:
-            self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, result)
+            self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, result, raw_stats)
 
     def _sample_rows(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
                      block_params: list[SamplingParams], sampled: list[int], processed: bool,
@@ -272,25 +274,42 @@ class TorchStep:
                 z[sampled] = zs
         return tokens
 
+    def _raw_logprob_stats(self, z: torch.Tensor, plan: StepPlan, start: int, stop: int) -> logprobs.RowStats | None:
+        """Raw modes, compiled: the chunk maxima and the normaliser of the raw scores of the rows that
+        asked, from the block's fresh float32 copy while it is in cache (None for a block holding
+        +inf, whose raw scores follow the +inf rule, and where nothing is asked)."""
+        if not self.logprobs_mode.startswith("raw") or not ts_compile.enabled():
+            return None
+        asked = [b for b in range(stop - start) if plan.num_logprobs[start + b] >= 0]
+        if not asked:
+            return None
+        stats = logprobs.row_stats(z if len(asked) == stop - start else z[asked],
+                                   normalise=self.logprobs_mode == "raw_logprobs")
+        return None if bool(torch.isposinf(stats.row_max).any()) else stats
+
     def _logprobs(self, logits: torch.Tensor, final: torch.Tensor | None, tokens: torch.Tensor,
-                  plan: StepPlan, start: int, stop: int, result: LogprobsOutput) -> None:
-        """Step 2/12 for the rows [start, stop) that asked: raw modes rebuild the raw scores from
-        `logits`, processed modes read the block's final `z`."""
+                  plan: StepPlan, start: int, stop: int, result: LogprobsOutput,
+                  raw_stats: logprobs.RowStats | None = None) -> None:
+        """Step 2/12 for the rows [start, stop) that asked: raw modes read the raw logits (gathers
+        only, with `raw_stats` from the block's start; else a float32 copy where they hold NaN, +inf
+        or another dtype), processed modes read the block's final `z`."""
         asked = [b for b in range(stop - start) if plan.num_logprobs[start + b] >= 0]
         if not asked:
             return
+        width = result.top_token_ids.shape[1]
+        normalise = self.logprobs_mode.endswith("logprobs")
         if final is None:
             rows = logits[start:stop] if len(asked) == stop - start else logits[start:stop][asked]
             scores = rows[:, :self.vocab_size]
-            top = scores.amax(dim=-1)  # NaN or +inf anywhere in the rows: the float32 copy with its rules
-            if scores.dtype != torch.float32 or not bool(torch.isfinite(top).all()):
+            if raw_stats is not None:  # NaN cleaned in what is gathered
+                scores = logprobs.ScoreRows(scores, clean=False)
+            elif scores.dtype != torch.float32 or not bool(torch.isfinite(scores.amax(dim=-1)).all()):
                 scores = masking.saturate_posinf(masking.prepare_logits(rows, self.vocab_size))
         else:
-            scores = final[asked]
-        values = logprobs.log_softmax_rows(scores) if self.logprobs_mode.endswith("logprobs") else scores
+            scores = final if len(asked) == stop - start else final[asked]
         num = torch.tensor([plan.num_logprobs[start + b] for b in asked], dtype=torch.int64, device=tokens.device)
-        part = logprobs.gather_logprobs(scores, values, tokens[asked], num, result.top_token_ids.shape[1])
-        where = [start + b for b in asked]
+        part = logprobs.gather_logprobs(scores, tokens[asked], num, width, normalise, raw_stats)
+        where = slice(start, stop) if len(asked) == stop - start else [start + b for b in asked]
         result.token_logprobs[where] = part.token_logprobs
         result.token_ranks[where] = part.token_ranks
         result.top_token_ids[where] = part.top_token_ids
