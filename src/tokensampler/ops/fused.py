@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import gumbel, row_stats, select
+from . import dense, gumbel, row_stats, select
 
 NEG_INF = float("-inf")
 CANDIDATE_CAP = 16384  # largest candidate list per row before the dense route is used
@@ -74,7 +74,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         lower = torch.maximum(lower, select.top_k_threshold(z, cols.top_k)[0])
         listed = select.gather_candidates(z, lower, cap, sort=False)
     if listed is None:
-        return _dense_route(z, z_max, lower, cols)
+        return _dense_route(z, z_max, lower, cols, row_mass)
     values, ids, count = listed  # unsorted: each step sorts only the prefix it reads
     smallest = torch.where(values == NEG_INF, float("inf"), values).amin(dim=-1)  # listed values are finite
     top_p_rows = cols.top_p < 1.0
@@ -179,17 +179,18 @@ def _on_rows(fn, z: torch.Tensor, rows: torch.Tensor, *args: torch.Tensor) -> to
     return fn(z[rows], *args)
 
 
-def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
-                 cols: RowColumns) -> tuple[torch.Tensor, torch.Tensor]:
-    """Thresholds by full-row passes and the noise over the whole row (flat logits)."""
+def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, cols: RowColumns,
+                 row_mass: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thresholds by full-row passes and the noise over the whole row (flat logits). With top-p
+    rows: `dense.sample_dense` (row_mass: the whole row's mass, if known)."""
     tau = torch.full_like(z_max, NEG_INF)
     if cols.any_min_p:
         tau = torch.maximum(tau, select.min_p_threshold(z, z_max, cols.min_p))
     if cols.any_top_k:
         tau = torch.maximum(tau, select.top_k_threshold(z, cols.top_k)[0])
-    if cols.any_top_p:  # the histogram pass also gives the kept mass
-        tau = _histogram_rows(z, z_max, tau, None, cols.top_p < 1.0, cols.top_p)
-    return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
+    if not cols.any_top_p:
+        return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
+    return dense.sample_dense(z, z_max, lower, tau, cols.top_p, cols.keys, row_mass)
 
 
 def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor | None,
