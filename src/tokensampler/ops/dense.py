@@ -132,15 +132,16 @@ def sorted_descending(values: torch.Tensor) -> torch.Tensor:
 
 
 def relative_probs(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-    """p = exp(z - z_max) (float32 [R, V], the reference's eager ops) in a buffer reused across
-    calls of the same shape: a fresh block-sized tensor would page-fault on every step."""
-    key = (tuple(z.shape), z.device)
-    buffer = _BUFFERS.get(key)
-    if buffer is None:
-        _BUFFERS.clear()  # one shape at a time: the step's blocks share one size
-        buffer = _BUFFERS[key] = torch.empty_like(z)
-    torch.sub(z, z_max[:, None], out=buffer)
-    return buffer.exp_()
+    """p = exp(z - z_max) (float32 [R, V], the reference's eager ops) in a buffer kept across calls
+    (grown to the largest block seen): a fresh block-sized tensor would page-fault on every step.
+    Valid until the next call."""
+    buffer = _BUFFERS.get(z.device)
+    if buffer is None or buffer.numel() < z.numel():
+        _BUFFERS.pop(z.device, None)
+        buffer = _BUFFERS[z.device] = torch.empty(z.numel(), dtype=torch.float32, device=z.device)
+    out = buffer[:z.numel()].view(z.shape)
+    torch.sub(z, z_max[:, None], out=out)
+    return out.exp_()
 
 
 def sum_error(masses: torch.Tensor, count: int) -> torch.Tensor:
