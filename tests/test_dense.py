@@ -71,10 +71,13 @@ def params_for(rows: int, seed: int, **kw) -> list[SamplingParams]:
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
 def test_top_p_rows_match_reference(style, top_p, dense_route):
     noise = Spy(dense_route, gumbel, "gumbel_argmax_dense")
+    histogram = Spy(dense_route, select, "top_p_by_histogram")
+    recheck = Spy(dense_route, dense, "exact_masses")
     for seed in range(3):
         logits = flat_batch(4, 5000, seed, style)
         assert_same(logits, params_for(4, seed, temperature=1.0, top_p=top_p))
     assert noise.rows <= 6  # the race decides most of the 12 rows without the approximate-noise pass
+    assert histogram.rows == 0 and recheck.rows == 0  # the bracket holds the threshold, surely
 
 
 @pytest.mark.parametrize("extra", [{"min_p": 0.001}, {"min_p": 0.2}, {"top_k": 50}, {"top_k": 3000},
@@ -115,7 +118,7 @@ def test_misplaced_candidates_still_bracket_the_threshold(dense_route):
 
 def test_uncertain_rows_are_rechecked_with_exact_masses(dense_route):
     """A huge error bound makes every row uncertain: each gets masses summed as kept_mass does."""
-    recheck = Spy(dense_route, select, "kept_mass")
+    recheck = Spy(dense_route, dense, "exact_masses")
     dense_route.setattr(dense, "sum_error", lambda masses, count: masses * 1e-3 + 1e-3)
     logits = flat_batch(4, 4000, 3)
     assert_same(logits, params_for(4, 3, temperature=1.0, top_p=0.9))
@@ -182,6 +185,15 @@ def test_race_pair_of_equal_scores_goes_to_the_lower_id(monkeypatch):
     odds = torch.tensor([1e-3])  # both ids pass
     token = dense.race_argmax(p, z, z.amax(dim=-1), torch.full((1,), NEG_INF), keys, odds)
     assert int(token[0]) == 0
+
+
+def test_extract_lists_the_bracket_of_rows_within_the_cap():
+    z = torch.tensor([[3.0, 1.0, 2.0, NEG_INF, 2.0], [5.0, 4.0, 3.0, 2.0, 1.0]])
+    values, count = dense._extract(z, torch.tensor([NEG_INF, 2.0]), torch.tensor([3.0, 5.0]), cap=3)
+    assert count.tolist() == [3, 3]
+    assert values.tolist() == [[2.0, 2.0, 1.0], [4.0, 3.0, 2.0]]
+    values, count = dense._extract(z, torch.tensor([NEG_INF, 2.0]), torch.tensor([3.0, 5.0]), cap=2)
+    assert count.tolist() == [3, 3] and bool(torch.isneginf(values).all())  # over the cap: not listed
 
 
 def test_sorted_descending_matches_torch_sort():

@@ -263,8 +263,7 @@ def top_p_from_masses(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, tau
     unsure = scanned & ~sure
     if bool(unsure.any()):  # masses summed as select.kept_mass does, for the uncertain rows
         rows = unsure.nonzero().squeeze(-1)
-        total = select.kept_mass(z[rows], z_max[rows], tau[rows])
-        exact_above = select.kept_mass(z[rows], z_max[rows], upper[rows])
+        total, exact_above = exact_masses(z[rows], z_max[rows], tau[rows], upper[rows])
         bound = top_p[rows] * total
         tau_exact, found = _scan(values[rows], z_max[rows], exact_above, torch.zeros_like(total), bound, bound,
                                  count[rows])
@@ -277,6 +276,13 @@ def top_p_from_masses(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, tau
         out[rows] = torch.maximum(tau[rows], select.top_p_by_histogram(z[rows], z_max[rows], tau[rows], None,
                                                                        top_p[rows]))
     return out
+
+
+def exact_masses(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, upper: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 [R] masses of z >= tau and of z >= upper, summed as `select.kept_mass` does (the
+    recheck of rows whose top-p answer changes inside the error bound)."""
+    return select.kept_mass(z, z_max, tau), select.kept_mass(z, z_max, upper)
 
 
 def race_argmax(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, threshold: torch.Tensor,
