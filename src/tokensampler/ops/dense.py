@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .. import compile as ts_compile
-from . import gumbel, row_stats, select
+from . import gumbel, penalties, row_stats, select
 
 NEG_INF = float("-inf")
 POS_INF = float("inf")
@@ -208,8 +208,9 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int
     mask &= z < high[:, None]
     if bool(torch.isneginf(low).any()):
         mask &= z > NEG_INF
-    rows, cols = torch.nonzero(mask, as_tuple=True)
+    flat = penalties.nonzero_ids(mask.view(-1))  # sparse: a 64-bit word scan first
     del mask
+    rows, cols = flat // z.shape[1], flat % z.shape[1]
     count = torch.bincount(rows, minlength=z.shape[0])
     start = torch.cumsum(count, dim=0) - count
     slot = torch.arange(rows.numel(), device=z.device) - start[rows]
