@@ -24,7 +24,7 @@ import torch
 
 from . import compile as ts_compile
 from . import rng
-from .ops import fused, logprobs, masking, penalties
+from .ops import dense, fused, logprobs, masking, penalties
 from .ops.argmax import first_argmax
 from .output import LogprobsOutput, SamplerOutput
 from .params import SamplingParams
@@ -181,8 +181,10 @@ class TorchStep:
 
     @property
     def workspace_bytes(self) -> int:
-        """Bytes of the block workspace this step holds from call to call (0 until the block route runs)."""
-        return 0 if self._z_workspace is None else self._z_workspace.numel() * self._z_workspace.element_size()
+        """Bytes this step holds from call to call: the block workspace (0 until the block route runs)
+        and the dense route's p buffer of this thread."""
+        held = 0 if self._z_workspace is None else self._z_workspace.numel() * self._z_workspace.element_size()
+        return held + dense.held_bytes()
 
     @property
     def _block_rows(self) -> int:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import gumbel, row_stats, select
+from . import dense, gumbel, row_stats, select
 
 NEG_INF = float("-inf")
 CANDIDATE_CAP = 16384  # largest candidate list per row before the dense route is used
@@ -249,17 +249,18 @@ def undivided_floor(lower: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.nextafter(wide.to(torch.float32), torch.tensor(NEG_INF))
 
 
-def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor,
-                 cols: RowColumns) -> tuple[torch.Tensor, torch.Tensor]:
-    """Thresholds by full-row passes and the noise over the whole row (flat logits)."""
+def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, cols: RowColumns
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Thresholds by full-row passes and the noise over the whole row (flat logits). With top-p
+    rows: `dense.sample_dense`."""
     tau = torch.full_like(z_max, NEG_INF)
     if cols.any_min_p:
         tau = torch.maximum(tau, select.min_p_threshold(z, z_max, cols.min_p))
     if cols.any_top_k:
         tau = torch.maximum(tau, select.top_k_threshold(z, cols.top_k)[0])
-    if cols.any_top_p:  # the histogram pass also gives the kept mass
-        tau = _histogram_rows(z, z_max, tau, None, cols.top_p < 1.0, cols.top_p)
-    return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
+    if not cols.any_top_p:
+        return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
+    return dense.sample_dense(z, z_max, lower, tau, cols.top_p, cols.keys)
 
 
 def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor | None,
