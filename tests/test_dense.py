@@ -203,9 +203,12 @@ def test_sorted_descending_matches_torch_sort():
     assert torch.equal(dense.sorted_descending(values), torch.sort(values, dim=-1, descending=True).values)
 
 
-def test_relative_probs_reuses_one_buffer():
+def test_relative_probs_writes_into_the_given_buffer():
     z = torch.randn(3, 50)
-    first = dense.relative_probs(z, z.amax(dim=-1))
+    buffer = torch.empty(200)
+    first = dense.relative_probs(z, z.amax(dim=-1), buffer)
     assert torch.equal(first, torch.exp(z - z.amax(dim=-1)[:, None]))
-    second = dense.relative_probs(z[:2], z[:2].amax(dim=-1))
-    assert second.data_ptr() == first.data_ptr()
+    assert first.data_ptr() == buffer.data_ptr()
+    second = dense.relative_probs(z[:2], z[:2].amax(dim=-1), buffer)
+    assert second.data_ptr() == buffer.data_ptr()
+    assert torch.equal(dense.relative_probs(z, z.amax(dim=-1)), first)  # no buffer: a new tensor

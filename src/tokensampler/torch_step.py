@@ -24,7 +24,7 @@ import torch
 
 from . import compile as ts_compile
 from . import rng
-from .ops import dense, fused, logprobs, masking, penalties
+from .ops import fused, logprobs, masking, penalties
 from .ops.argmax import first_argmax
 from .output import LogprobsOutput, SamplerOutput
 from .params import SamplingParams
@@ -59,6 +59,7 @@ class TorchStep:
         self.logprobs_mode = logprobs_mode
         self.device = device
         self._z_workspace: torch.Tensor | None = None
+        self._p_workspace: torch.Tensor | None = None
 
     def run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
         """Steps 1-12, one block of consecutive rows at a time (cache-sized: every pass over a block
@@ -182,14 +183,20 @@ class TorchStep:
     @property
     def workspace_bytes(self) -> int:
         """Bytes this step holds from call to call: the block workspace (0 until the block route runs)
-        and the dense route's p buffer of this thread."""
-        held = 0 if self._z_workspace is None else self._z_workspace.numel() * self._z_workspace.element_size()
-        return held + dense.held_bytes()
+        and the dense route's p buffer (0 until a flat row needed it)."""
+        return sum(t.numel() * t.element_size() for t in (self._z_workspace, self._p_workspace) if t is not None)
 
     @property
     def _block_rows(self) -> int:
         """Rows per block: about BLOCK_ELEMENTS logits."""
         return max(1, BLOCK_ELEMENTS // self.vocab_size)
+
+    def _dense_buffer(self, numel: int) -> torch.Tensor:
+        """The dense route's float32 p buffer, reused from step to step (grown when needed)."""
+        if self._p_workspace is None or self._p_workspace.numel() < numel:
+            self._p_workspace = None
+            self._p_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
+        return self._p_workspace
 
     def _workspace(self, num_rows: int) -> torch.Tensor:
         """The block's float32 `z`, reused from step to step (no allocation on the fast path)."""
@@ -264,7 +271,7 @@ class TorchStep:
             temperature=st.temperature[s], min_p=st.min_p[s], top_k=st.top_k[s], top_p=st.top_p[s],
             keys=rng.row_key(st.seed[s], st.position[s], st.stream[s]),
             any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params))
+            any_top_p=any(p.top_p < 1.0 for p in params), dense_buffer=self._dense_buffer)
         drawn = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed,
                                   in_place=in_place)
         if drawn is None:

@@ -31,8 +31,6 @@ fast path (docs/cpu-fast-path.md).
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
 from .. import compile as ts_compile
@@ -49,7 +47,6 @@ BRACKET_CAP = 16384  # most ids per row scanned inside a bracket before the hist
 RACE_SLACK = 2.0**-10  # relative slack of the race bound: covers exp's and the products' rounding
 _TWO_POW_24 = float(2**24)
 _NO_ID = 2**31 - 1
-_LOCAL = threading.local()  # the p buffer, per thread (two samplers may run in two threads)
 
 
 def _race_m(key32: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -134,29 +131,13 @@ def sorted_descending(values: torch.Tensor) -> torch.Tensor:
     return torch.sort(values, dim=-1, descending=True).values
 
 
-def relative_probs(z: torch.Tensor, z_max: torch.Tensor) -> torch.Tensor:
-    """p = exp(z - z_max) (float32 [R, V], the reference's eager ops) in a buffer kept across calls
-    (grown to the largest block seen): a fresh block-sized tensor would page-fault on every step.
-    Valid until the next call."""
-    buffers = _buffers()
-    buffer = buffers.get(z.device)
-    if buffer is None or buffer.numel() < z.numel():
-        buffers.pop(z.device, None)
-        buffer = buffers[z.device] = torch.empty(z.numel(), dtype=torch.float32, device=z.device)
-    out = buffer[:z.numel()].view(z.shape)
-    torch.sub(z, z_max[:, None], out=out)
-    return out.exp_()
-
-
-def _buffers() -> dict:
-    if not hasattr(_LOCAL, "buffers"):
-        _LOCAL.buffers = {}
-    return _LOCAL.buffers
-
-
-def held_bytes() -> int:
-    """Bytes of this thread's p buffers (kept from call to call)."""
-    return sum(b.numel() * b.element_size() for b in _buffers().values())
+def relative_probs(z: torch.Tensor, z_max: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """p = exp(z - z_max) (float32 [R, V], the reference's eager ops), written into `out` (a
+    float32 buffer of at least R x V elements the caller keeps across calls: a fresh block-sized
+    tensor would page-fault on every step) or a new tensor."""
+    p = torch.empty_like(z) if out is None else out.view(-1)[:z.numel()].view(z.shape)
+    torch.sub(z, z_max[:, None], out=p)
+    return p.exp_()
 
 
 def sum_error(masses: torch.Tensor, count: int) -> torch.Tensor:
@@ -240,14 +221,14 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int
 
 
 def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau: torch.Tensor,
-                 top_p: torch.Tensor, keys: torch.Tensor, row_mass: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 top_p: torch.Tensor, keys: torch.Tensor, row_mass: torch.Tensor | None = None,
+                 p_buffer: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 10-11 for flat rows. z float32 [R, V] (-inf = removed); z_max float32 [R]; lower
     float32 [R]: ids below cannot win (`select.win_floor`); tau float32 [R]: the threshold so far
     (min-p, top-k; -inf = none); top_p float64 [R] (1 = off); keys int64 [R] noise keys; row_mass
-    float64 [R]: the whole row's mass if known (it only places the candidate thresholds).
-    Returns (tokens int64 [R], tau float32 [R]: raised to the exact top-p threshold)."""
-    p = relative_probs(z, z_max)
+    float64 [R]: the whole row's mass if known (it only places the candidate thresholds); p_buffer:
+    where p is written (see `relative_probs`). Returns (tokens int64 [R], tau float32 [R]: raised to the exact top-p threshold)."""
+    p = relative_probs(z, z_max, p_buffer)
     if row_mass is None:  # the whole row's mass: the tail below +inf
         row_mass = row_stats.tail_mass(z, z_max, torch.full_like(z_max, POS_INF))
     key32 = gumbel.keys_int32(keys)

@@ -20,6 +20,7 @@ mass), so the token is the definition's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class RowColumns:
     any_min_p: bool
     any_top_k: bool
     any_top_p: bool
+    dense_buffer: Callable[[int], torch.Tensor] | None = None  # float32 of >= n elements, kept by the caller
 
 
 def apply_temperature(z: torch.Tensor, z_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -260,7 +262,8 @@ def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, cols
         tau = torch.maximum(tau, select.top_k_threshold(z, cols.top_k)[0])
     if not cols.any_top_p:
         return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys), tau
-    return dense.sample_dense(z, z_max, lower, tau, cols.top_p, cols.keys)
+    buffer = None if cols.dense_buffer is None else cols.dense_buffer(z.numel())
+    return dense.sample_dense(z, z_max, lower, tau, cols.top_p, cols.keys, p_buffer=buffer)
 
 
 def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor | None,
