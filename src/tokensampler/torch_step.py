@@ -31,7 +31,7 @@ from .params import SamplingParams
 from .plan import StepPlan
 from .state import SamplerState
 
-BLOCK_ELEMENTS = 1 << 21  # elements per row block of the step (a few MB: measured best on 2 cores)
+BLOCK_ELEMENTS = 7 << 18  # elements per row block (12 rows at V = 152k: measured fastest within the memory bound)
 DIRECT_ROUTE = True  # the read-only route on the caller's logits where it applies (tests cover both)
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from .. import compile as ts_compile
-from . import gumbel, row_stats, select
+from . import gumbel, select
 from .indexing import nonzero_ids
 
 NEG_INF = float("-inf")
@@ -227,10 +227,11 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
     float32 [R]: ids below cannot win (`select.win_floor`); tau float32 [R]: the threshold so far
     (min-p, top-k; -inf = none); top_p float64 [R] (1 = off); keys int64 [R] noise keys; row_mass
     float64 [R]: the whole row's mass if known (it only places the candidate thresholds); p_buffer:
-    where p is written (see `relative_probs`). Returns (tokens int64 [R], tau float32 [R]: raised to the exact top-p threshold)."""
+    where p is written (see `relative_probs`). Returns (tokens int64 [R], tau float32 [R]: raised to
+    the exact top-p threshold)."""
     p = relative_probs(z, z_max, p_buffer)
-    if row_mass is None:  # the whole row's mass: the tail below +inf
-        row_mass = row_stats.tail_mass(z, z_max, torch.full_like(z_max, POS_INF))
+    if row_mass is None:  # it only places the candidates: a float32 sum of p is close enough
+        row_mass = p.sum(dim=-1).to(torch.float64)
     key32 = gumbel.keys_int32(keys)
     thresholds = candidate_thresholds(z, z_max, tau, top_p, row_mass)
     rows_mask = top_p < 1.0

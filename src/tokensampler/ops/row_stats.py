@@ -1,14 +1,14 @@
-"""One pass per row before the candidate list: how many ids can still win, and the mass below them.
+"""Full-row reductions around the candidate list: how many ids can still win, and the mass below them.
 
-`winnable_count_and_tail(z, z_max, floor)` returns per row the number of ids with `z >= floor`
-(the width of the candidate list) and the float64 sum of `p = exp(z - z_max)` over the other ids
-(the tail). Top-p's total, when nothing else removed ids, is that tail plus the list's own mass
-(eager exp on the list: the reference's values). With torch.compile count and tail come from one
-vectorised loop per row. Inductor's exp may differ from eager `torch.exp` by an ulp, so the tail is
-returned with a bound on its distance to the reference's sum of the same p: `mass_error`. The
-caller decides top-p at both ends of that interval and recomputes exactly (`select.kept_mass`) the
-rows where the two ends disagree; the tail is a small part of a peaked row's mass (ids that cannot
-win), so that happens rarely.
+`winnable_count(z, floor)`: per row, the number of ids with `z >= floor` (the width of the
+candidate list). `tail_mass(z, z_max, floor)`: the float64 sum of `p = exp(z - z_max)` over the
+other ids (the tail). Top-p's total, when nothing else removed ids, is that tail plus the list's
+own mass (eager exp on the list: the reference's values). With torch.compile each is one
+vectorised loop per row. Inductor's exp may differ from eager `torch.exp` by an ulp, so the tail
+comes with a bound on its distance to the reference's sum of the same p: `mass_error`. The caller
+decides top-p at both ends of that interval and recomputes exactly (`select.kept_mass`) the rows
+where the two ends disagree; the tail is a small part of a peaked row's mass (ids that cannot win),
+so that happens rarely.
 """
 
 from __future__ import annotations
@@ -34,12 +34,6 @@ def _count(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     return (z >= floor[:, None]).sum(dim=-1)
 
 
-def _count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fused form (compiled): one loop per row."""
-    return _count(z, floor), _tail(z, z_max, floor, scale)
-
-
 def _count_eager(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """Column chunk by chunk: a bool sum converts its whole input to int first."""
     count = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
@@ -59,20 +53,8 @@ def _tail_eager(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale
     return total
 
 
-def winnable_count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor,
-                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """z: float32 [R, V] (-inf = removed); z_max: float32 [R], finite; floor: float32 [R], in the
-    rows' own units; scale: float32 [R] when the rows hold z * scale (undivided logits), else None.
-    Returns (count int64 [R]: ids with z >= floor; tail float64 [R]: sum of exp(z / scale - z_max)
-    over the ids with z < floor, within `mass_error(tail)` of the reference's sum)."""
-    if not ts_compile.enabled():
-        return _count_eager(z, floor), _tail_eager(z, z_max, floor, scale)
-    scale = torch.ones_like(z_max) if scale is None else scale  # x / 1 = x exactly
-    return ts_compile.maybe_compiled("count_and_tail", _count_and_tail)(z, z_max, floor, scale)
-
-
 def winnable_count(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: the ids with z >= floor (the count half of `winnable_count_and_tail`)."""
+    """z: float32 [R, V]; floor: float32 [R]. Returns int64 [R]: the ids with z >= floor."""
     if not ts_compile.enabled():
         return _count_eager(z, floor)
     return ts_compile.maybe_compiled("winnable_count", _count)(z, floor)
@@ -80,7 +62,10 @@ def winnable_count(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
 
 def tail_mass(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor | None = None
               ) -> torch.Tensor:
-    """The tail half of `winnable_count_and_tail`, for the rows of a mixed block that need it."""
+    """z: float32 [R, V] (-inf = removed); z_max: float32 [R], finite; floor: float32 [R], in the
+    rows' own units; scale: float32 [R] when the rows hold z * scale (undivided logits), else None.
+    Returns float64 [R]: the sum of exp(z / scale - z_max) over the ids with z < floor, within
+    `mass_error(tail)` of the reference's sum."""
     if not ts_compile.enabled():
         return _tail_eager(z, z_max, floor, scale)
     scale = torch.ones_like(z_max) if scale is None else scale
