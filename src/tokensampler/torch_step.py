@@ -167,9 +167,12 @@ class TorchStep:
 
     def _direct_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
                          result: LogprobsOutput) -> None:
-        """Raw logprobs of the read-only route, a block of rows at a time (block-sized temporaries)."""
-        for start in range(0, logits.shape[0], self._block_rows):
-            stop = min(logits.shape[0], start + self._block_rows)
+        """Raw logprobs of the read-only route: all rows at once when compiled (the statistics are
+        reductions: small temporaries), else a block of rows at a time (eager log_softmax writes a
+        block-sized tensor)."""
+        rows_per_call = logits.shape[0] if ts_compile.enabled() else self._block_rows
+        for start in range(0, logits.shape[0], rows_per_call):
+            stop = min(logits.shape[0], start + rows_per_call)
             self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
 
     def _run_plain_greedy(self, logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
