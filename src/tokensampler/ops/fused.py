@@ -4,7 +4,9 @@
 rows are the caller's logits), then:
 
 1. `lower` = the z below which no id can win the Gumbel argmax (`select.win_floor`);
-2. the ids with z >= lower are counted (`row_stats`, compiled) and gathered once, unsorted (usually a few thousand: LLM logits are
+2. the ids with z >= lower are counted (`row_stats`, compiled; with the mass below them when
+   every row needs it for top-p; a strided estimate first sends flat rows to step 3) and
+   gathered once, unsorted (usually a few thousand: LLM logits are
    peaked); min-p, top-k and top-p thresholds come from this list wherever it provably holds them
    (top-p from a sorted head of it), else from full-row passes (`select`), and the noise is
    computed on the list only;
@@ -84,7 +86,14 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if cols.any_min_p:  # every id min-p keeps lies above this bound: the list will hold them all
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
     list_floor = lower if scale is None else undivided_floor(lower, scale)
-    listed = select.gather_candidates(z, list_floor, cap, sort=False, scale=scale)
+    count = tail = None
+    probably_flat = bool((row_stats.estimated_count(z, list_floor) > cap).any())
+    if probably_flat and scale is not None:
+        return None  # the caller's block route takes flat rows (they need z / T written out)
+    if not probably_flat and cols.any_top_p and not cols.any_top_k and not cols.any_min_p \
+            and bool((cols.top_p < 1.0).all()):  # every row needs the tail below its list: one pass
+        count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale)
+    listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         kth = select.top_k_threshold(z, cols.top_k)[0]  # division is monotone: the k-th of z / T
         lower = torch.maximum(lower, kth if scale is None else kth / scale)
@@ -120,7 +129,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
                                                             z, rows, scale, k[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
-        tau = _top_p(z, z_max, values, tau, lower, list_floor, cols.top_p, exact_threshold, scale)
+        tau = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale)
     noisy, ids = _kept_only(values.masked_fill(values < tau[:, None], NEG_INF), ids)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
 
@@ -136,14 +145,14 @@ def _kept_only(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
-           list_floor: torch.Tensor, top_p: torch.Tensor, exact_threshold: bool,
+           list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
            scale: torch.Tensor | None = None) -> torch.Tensor:
     """tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the unsorted
     candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own units).
 
     The total kept mass: from the list when tau lies inside it; when nothing else removed ids, the
-    list's mass plus the tail below list_floor (`row_stats.tail_mass`, compiled, within
-    `row_stats.mass_error`); else an exact full-row pass. With an uncertain total the
+    list's mass plus the tail below list_floor (`tail` if given, else `row_stats.tail_mass` for the
+    rows that need it; compiled, within `row_stats.mass_error`); else an exact full-row pass. With an uncertain total the
     threshold is found at both ends of the interval; rows where they differ get the exact total
     and are searched again."""
     top_p_rows = top_p < 1.0
@@ -153,9 +162,11 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
     whole_row = below_list & torch.isneginf(tau)
     error = torch.zeros_like(total)
     if bool(whole_row.any()):
-        tail = torch.zeros_like(total)
-        rows = whole_row.nonzero().squeeze(-1)
-        tail[rows] = row_stats.tail_mass(_rows_of(z, rows), z_max[rows], list_floor[rows], _rows_of(scale, rows))
+        if tail is None:
+            tail = torch.zeros_like(total)
+            rows = whole_row.nonzero().squeeze(-1)
+            tail[rows] = row_stats.tail_mass(_rows_of(z, rows), z_max[rows], list_floor[rows],
+                                             _rows_of(scale, rows))
         listed = torch.exp(values - z_max[:, None]).to(torch.float64).sum(dim=-1)  # -inf padding: 0
         total = torch.where(whole_row, listed + tail, total)
         error = torch.where(whole_row, row_stats.mass_error(tail, z.shape[1]), 0.0)

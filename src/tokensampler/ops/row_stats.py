@@ -34,6 +34,12 @@ def _count(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     return (z >= floor[:, None]).sum(dim=-1)
 
 
+def _count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both in one loop per row (compiled)."""
+    return _count(z, floor), _tail(z, z_max, floor, scale)
+
+
 def _count_eager(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     """Column chunk by chunk: a bool sum converts its whole input to int first."""
     count = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
@@ -58,6 +64,22 @@ def winnable_count(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
     if not ts_compile.enabled():
         return _count_eager(z, floor)
     return ts_compile.maybe_compiled("winnable_count", _count)(z, floor)
+
+
+def winnable_count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor,
+                            scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`winnable_count`, `tail_mass`) from one pass (compiled: one vectorised loop per row)."""
+    if not ts_compile.enabled():
+        return _count_eager(z, floor), _tail_eager(z, z_max, floor, scale)
+    scale = torch.ones_like(z_max) if scale is None else scale
+    return ts_compile.maybe_compiled("count_and_tail", _count_and_tail)(z, z_max, floor, scale)
+
+
+def estimated_count(z: torch.Tensor, floor: torch.Tensor, stride: int = 16) -> torch.Tensor:
+    """int64 [R]: the ids with z >= floor estimated from one id in `stride` (a cheap strided read:
+    tells flat rows, whose list would be too long, from peaked ones before any full pass)."""
+    sample = z[:, ::stride]
+    return (sample >= floor[:, None]).sum(dim=-1, dtype=torch.int32).to(torch.int64) * stride
 
 
 def tail_mass(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor | None = None

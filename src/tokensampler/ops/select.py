@@ -60,14 +60,15 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: bool = True,
-                      scale: torch.Tensor | None = None
+                      count: torch.Tensor | None = None, scale: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every id with z >= lower[r] (a finite bound), as (values, ids) [R, W] padded with -inf / id 0,
-    sorted by value descending if `sort`, and the count per row; None
+    sorted by value descending if `sort`, and the count per row (computed here unless given); None
     if a row has more than `cap` (no sort of the row: one compare, one compaction, at most a sort
     of the W candidates). With `scale` (float32 [R]) the listed values are z / scale."""
-    from .row_stats import winnable_count
-    count = winnable_count(z, lower)
+    if count is None:
+        from .row_stats import winnable_count
+        count = winnable_count(z, lower)
     width = int(count.max()) if count.numel() else 0
     if width > cap:  # checked before the compaction, which would be as large as the row
         return None
