@@ -87,13 +87,14 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         lower = torch.maximum(lower, select.min_p_floor(z_max, cols.min_p))
     list_floor = lower if scale is None else undivided_floor(lower, scale)
     count = tail = None
+    listed = None
     probably_flat = bool((row_stats.estimated_count(z, list_floor) > cap).any())
-    if probably_flat and scale is not None:
+    if probably_flat and scale is not None and not cols.any_top_k:
         return None  # the caller's block route takes flat rows (they need z / T written out)
-    if not probably_flat and cols.any_top_p and not cols.any_top_k and not cols.any_min_p \
-            and bool((cols.top_p < 1.0).all()):  # every row needs the tail below its list: one pass
-        count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale)
-    listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
+    if not probably_flat:
+        if cols.any_top_p and not cols.any_top_k and not cols.any_min_p and bool((cols.top_p < 1.0).all()):
+            count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale)  # one pass
+        listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         kth = select.top_k_threshold(z, cols.top_k)[0]  # division is monotone: the k-th of z / T
         lower = torch.maximum(lower, kth if scale is None else kth / scale)
