@@ -1,10 +1,12 @@
 """torch.compile switch of the CPU fast path: `TOKENSAMPLER_COMPILE=0` keeps everything eager.
 
-The only compiled function is the dense-route noise block (`ops.gumbel`): the int32 hash and the
-float32 approximate Gumbel noise fused into one loop. Its result only selects candidates (the
-exact float64 noise decides the token), so compiled and eager runs give the same tokens; the
-approximation bound is checked for the compiled kernel too. Inductor's FX graph cache keeps the
-compiled artefact across processes (TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/tokensampler).
+Compiled: full-row reductions (`ops.row_stats` counts and tail masses, the dense route's threshold
+and race passes in `ops.dense`, the logprob normaliser and rank counts in `ops.logprobs`) and the
+dense-route noise block (`ops.gumbel.approx_scores`). Each result is either exact (counts, maxima),
+a sum of the reference's own values in another order, or carries a proven error bound with an
+exact recheck where it could change the answer, so compiled and eager runs give the same tokens
+(docs/cpu-fast-path.md). Inductor's FX graph cache keeps the compiled artefacts across processes
+(TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/tokensampler).
 """
 
 from __future__ import annotations
