@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tokensampler import SamplingParams
-from tokensampler.ops import row_stats, select
+from tokensampler.ops import row_stats
 
 from helpers import run_reference, run_sampler
 
