@@ -467,3 +467,35 @@ def test_top_p_total_over_a_kept_set_longer_than_the_sorted_head(mode):
     if mode == "processed_logits":
         kept = (got.logprobs.top_logprobs > NEG_INF).sum(dim=-1)
         assert bool((kept[:3] > fused.TOP_P_HEAD).all()), kept
+
+
+def test_compiled_read_only_route_matches_reference(monkeypatch):
+    """TOKENSAMPLER_COMPILE=1 through the read-only route: the compiled count and tail (with its
+    error bound), penalties written and restored, raw logprobs from the compiled statistics."""
+    import tokensampler.torch_step as step_module
+    from tokensampler.bench import make_logits
+    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
+    seen = []
+    real = fused.sample_rows
+
+    def spy(*args, **kw):
+        seen.append(kw.get("in_place", True))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fused, "sample_rows", spy)
+    logits = make_logits(6, 30000, seed=8)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5),
+              SamplingParams(temperature=0.7, top_p=0.95, seed=2, repetition_penalty=1.2, frequency_penalty=0.4),
+              SamplingParams(temperature=0.8, top_k=50, seed=3, logprobs=2),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4, presence_penalty=0.5),
+              SamplingParams(temperature=0.0, logprobs=3),
+              SamplingParams(temperature=0.6, top_k=20, top_p=0.9, seed=6)]
+    top = logits.topk(4, dim=-1).indices.tolist()
+    history = dict(prompts=[[], top[1][:2], [], top[3][:1], [], []], outputs=[[], top[1][2:3], [], [7], [], []])
+    want = run_reference(logits, params, **history)
+    got = run_sampler(logits, params, **history)
+    assert seen == [False] and torch.equal(logits, before)
+    assert_same_output(want, got)
+    monkeypatch.setattr(step_module, "DIRECT_ROUTE", False)
+    assert_same_output(want, run_sampler(logits, params, **history))
