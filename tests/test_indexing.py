@@ -14,7 +14,9 @@ def test_equals_torch_nonzero(dtype, length, density):
     gen = torch.Generator().manual_seed(length)
     row = (torch.rand(length + 3, generator=gen) < density).to(dtype)
     for view in (row[:length], row[1:length + 1], row[3:]):  # aligned and unaligned starts
-        assert torch.equal(nonzero_ids(view), torch.nonzero(view).squeeze(-1))
+        want = torch.nonzero(view).squeeze(-1)
+        assert torch.equal(nonzero_ids(view), want)
+        assert torch.equal(nonzero_ids(view, want.numel()), want)  # the route chosen by the count
 
 
 def test_hits_in_every_lane_and_the_tail():
@@ -37,3 +39,11 @@ def test_read_and_write_at_equal_advanced_indexing(padded):
     write_at(z, rows, ids, values)
     assert torch.equal(z, want)
     assert torch.equal(base[:, 50:], torch.randn(6, 50 + padded, generator=torch.Generator().manual_seed(padded))[:, 50:])
+
+
+def test_word_scan_on_a_long_sparse_row(monkeypatch):
+    import tokensampler.ops.indexing as indexing
+    monkeypatch.setattr(indexing, "WORD_SCAN_MIN", 64)  # the word scan on a short row too
+    row = torch.zeros(1000, dtype=torch.bool)
+    row[[3, 500, 999]] = True
+    assert indexing.nonzero_ids(row, 3).tolist() == [3, 500, 999]

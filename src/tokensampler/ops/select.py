@@ -73,7 +73,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
     if width > cap:  # checked before the compaction, which would be as large as the row
         return None
     mask = z >= lower[:, None]
-    hits = nonzero_ids(mask.view(-1))  # flat, row-major: each row's hits are consecutive
+    hits = nonzero_ids(mask.view(-1), int(count.sum()))  # flat, row-major: a row's hits are consecutive
     del mask
     rows = torch.div(hits, z.shape[1], rounding_mode="floor")
     cols = hits.sub_(rows * z.shape[1])
