@@ -255,12 +255,8 @@ def test_matches_reference_read_only_route(case, direct):
         _compare(case)
 
 
-def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
-    """Bench-shaped float32 rows without edits but penalties run on the caller's logits (no
-    in-place division); the logits are as they were after the step (penalties restored) and the
-    tokens and logprobs equal the reference's and the block route's."""
-    import tokensampler.torch_step as step_module
-    from tokensampler.bench import make_logits
+def _record_routes(monkeypatch) -> list[bool]:
+    """A list that gets, per `fused.sample_rows` call, whether it ran in place (block route)."""
     seen = []
     real = fused.sample_rows
 
@@ -269,6 +265,16 @@ def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
         return real(*args, **kw)
 
     monkeypatch.setattr(fused, "sample_rows", spy)
+    return seen
+
+
+def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
+    """Bench-shaped float32 rows without edits but penalties run on the caller's logits (no
+    in-place division); the logits are as they were after the step (penalties restored) and the
+    tokens and logprobs equal the reference's and the block route's."""
+    import tokensampler.torch_step as step_module
+    from tokensampler.bench import make_logits
+    seen = _record_routes(monkeypatch)
     logits = make_logits(4, 20000, seed=3)
     before = logits.clone()
     params = [SamplingParams(temperature=0.6, top_p=0.9, seed=1, repetition_penalty=1.3, logprobs=3),
@@ -475,14 +481,7 @@ def test_compiled_read_only_route_matches_reference(monkeypatch):
     import tokensampler.torch_step as step_module
     from tokensampler.bench import make_logits
     monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
-    seen = []
-    real = fused.sample_rows
-
-    def spy(*args, **kw):
-        seen.append(kw.get("in_place", True))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(fused, "sample_rows", spy)
+    seen = _record_routes(monkeypatch)
     logits = make_logits(6, 30000, seed=8)
     before = logits.clone()
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5),

@@ -94,12 +94,12 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if not probably_flat:
         if cols.any_top_p and not cols.any_top_k and not cols.any_min_p and bool((cols.top_p < 1.0).all()):
             count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale)  # one pass
-        listed = select.gather_candidates(z, list_floor, cap, sort=False, count=count, scale=scale)
+        listed = select.gather_candidates(z, list_floor, cap, count=count, scale=scale)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         kth = select.top_k_threshold(z, cols.top_k)[0]  # division is monotone: the k-th of z / T
         lower = torch.maximum(lower, kth if scale is None else kth / scale)
         list_floor = lower if scale is None else undivided_floor(lower, scale)
-        listed = select.gather_candidates(z, list_floor, cap, sort=False, scale=scale)
+        listed = select.gather_candidates(z, list_floor, cap, scale=scale)
     if listed is None:
         return None if scale is not None else _dense_route(z, z_max, lower, cols)
     values, ids, count = listed  # unsorted: each step sorts only the prefix it reads

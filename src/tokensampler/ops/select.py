@@ -59,13 +59,13 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
     return tau.masked_fill_(top_k <= 0, NEG_INF), values, ids
 
 
-def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: bool = True,
+def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
                       count: torch.Tensor | None = None, scale: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Every id with z >= lower[r] (a finite bound), as (values, ids) [R, W] padded with -inf / id 0,
-    sorted by value descending if `sort`, and the count per row (computed here unless given); None
-    if a row has more than `cap` (no sort of the row: one compare, one compaction, at most a sort
-    of the W candidates). With `scale` (float32 [R]) the listed values are z / scale."""
+    in id order (callers sort only the prefix they read), and the count per row (computed here
+    unless given); None if a row has more than `cap`. No sort of the row: one count, one compare,
+    one compaction. With `scale` (float32 [R]) the listed values are z / scale."""
     if count is None:
         from .row_stats import winnable_count
         count = winnable_count(z, lower)
@@ -89,10 +89,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *, sort: b
     ids = torch.zeros((z.shape[0], width), dtype=torch.int64, device=z.device)
     values.view(-1)[dest] = picked
     ids.view(-1)[dest] = cols
-    if not sort:
-        return values, ids, count
-    values, order = torch.sort(values, dim=-1, descending=True)
-    return values, ids.gather(-1, order), count
+    return values, ids, count
 
 
 def column_chunks(z: torch.Tensor) -> list[tuple[int, int]]:
