@@ -1,7 +1,9 @@
 """`TorchStep`: steps 1-12 of the definition in torch, without sorting the vocabulary.
 
-The batch is cut into row blocks of about `BLOCK_ELEMENTS` logits, each copied once into a reused
-float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
+Float32 batches that need no edit before temperature except penalties run on the caller's logits
+(the read-only route: values divided where read, penalties written at the seen ids and restored).
+Others, and flat rows, are cut into row blocks of about `BLOCK_ELEMENTS` logits, each copied once
+into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
 
 1. float32 logits, padding and NaN removed                     `masking.prepare_logits_into`
 3. allowed ids; stop and EOS ids below min_tokens               `remove_disallowed`, `remove_stop_ids`
@@ -26,6 +28,7 @@ from . import compile as ts_compile
 from . import rng
 from .ops import fused, logprobs, masking, penalties
 from .ops.argmax import first_argmax
+from .ops.indexing import read_at, write_at
 from .output import LogprobsOutput, SamplerOutput
 from .params import SamplingParams
 from .plan import StepPlan
@@ -62,8 +65,10 @@ class TorchStep:
         self._p_workspace: torch.Tensor | None = None
 
     def run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
-        """Steps 1-12, one block of consecutive rows at a time (cache-sized: every pass over a block
-        runs from cache, and no buffer of the logits' size is ever allocated)."""
+        """Steps 1-12: plain greedy batches on the logits themselves; else the read-only route
+        (`_run_direct`) where it applies; else (or when it hands the call back) one block of
+        consecutive rows at a time through the workspace. No buffer of the logits' size is
+        allocated on any route."""
         batch = logits.shape[0]
         device = logits.device
         rows = [self.state.params[s] for s in index.tolist()]
@@ -116,17 +121,19 @@ class TorchStep:
         if edits is None:
             return self._sample_direct(logits, z, index, rows, plan, tokens, valid, result)
         row_index, ids, penalised = edits
-        original = penalties.read_at(z, row_index, ids)
-        penalties.write_at(z, row_index, ids, penalised)
+        original = read_at(z, row_index, ids)
+        write_at(z, row_index, ids, penalised)
         try:
             done = self._sample_direct(logits, z, index, rows, plan, tokens, valid, None, edited=True)
         finally:
-            penalties.write_at(z, row_index, ids, original)
+            write_at(z, row_index, ids, original)
         if done and result is not None:  # raw scores: after the original values are back
             self._direct_logprobs(logits, tokens, plan, result)
         return done
 
-    def _penalty_edits(self, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams]):
+    def _penalty_edits(self, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(row_index, ids, penalised values) of the penalised rows of the batch, or None."""
         st = self.state
         penalised = _positions(rows, _has_penalties)
         slot_list = index.tolist()
