@@ -12,11 +12,13 @@ exact recheck where it could change the answer, so compiled and eager runs give 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable
 
 _COMPILED: dict[str, Callable] = {}
 _COMPILE_SECONDS: dict[str, float] = {}
+_LOCK = threading.RLock()
 
 
 def enabled() -> bool:
@@ -30,24 +32,30 @@ def cache_dir() -> str:
 
 
 def maybe_compiled(name: str, fn: Callable) -> Callable:
-    """`fn` compiled by inductor (dynamic shapes, cached per process and on disk) when enabled."""
+    """`fn` compiled by inductor (dynamic shapes, cached per process and on disk) when enabled.
+
+    Calls are serialised by one process-wide lock, a precaution: dynamo traces and compiles (and
+    recompiles for a new shape) inside the call, and the samplers of a thread-per-rank vocabulary
+    split run in one process."""
     if not enabled():
         return fn
-    compiled = _COMPILED.get(name)
-    if compiled is None:
-        import torch
-        cache_dir()
-        compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+    with _LOCK:
+        compiled = _COMPILED.get(name)
+        if compiled is None:
+            import torch
+            cache_dir()
+            inner = torch.compile(fn, dynamic=True, fullgraph=True)
 
-        def first_call(*args, _compiled=compiled):
-            start = time.perf_counter()
-            result = _compiled(*args)
-            _COMPILE_SECONDS[name] = time.perf_counter() - start
-            _COMPILED[name] = _compiled
-            return result
+            def compiled(*args, _inner=inner):
+                with _LOCK:
+                    if name not in _COMPILE_SECONDS:
+                        start = time.perf_counter()
+                        result = _inner(*args)
+                        _COMPILE_SECONDS[name] = time.perf_counter() - start  # the first call
+                        return result
+                    return _inner(*args)
 
-        _COMPILED[name] = first_call
-        compiled = first_call
+            _COMPILED[name] = compiled
     return compiled
 
 
