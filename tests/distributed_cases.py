@@ -194,6 +194,11 @@ def run_case(case: Case, group: Any = None, seeds: list[dict[int, int]] | None =
         used[0][req.slot] = _admit(sampler, req, None if seeds is None else seeds[0])
     outputs = []
     for t, (slots, logits) in enumerate(case.steps):
+        if group is None:
+            # Sampler.sample may use its logits as scratch during the call (penalised values are
+            # written at the seen ids and restored before it returns); this unsplit run shares the
+            # case with the ranks' threads, which read the same tensor at the same time
+            logits = logits.clone()
         outputs.append(sampler.sample(logits[:, rank * width:(rank + 1) * width], slots))
         if t in case.replace_after:
             req = case.replace_after[t]

@@ -237,9 +237,11 @@ def monkeypatch_tiny():
 
 @st.composite
 def plain_batches(draw):
-    """Batches the read-only route takes: float32 logits, nothing to remove or add before T."""
+    """Batches the read-only route takes: float32 logits, nothing to remove or add before T
+    except penalties (written in place and restored)."""
     logits, params, prompts, outputs, vocab, mode = draw(batches())
-    keep = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs")
+    keep = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty",
+            "frequency_penalty", "repetition_penalty")
     params = [SamplingParams(**{f: getattr(p, f) for f in keep}) for p in params]
     return logits.float(), params, prompts, outputs, vocab, draw(st.sampled_from(MODES[:2]))
 
@@ -267,32 +269,28 @@ def _record_routes(monkeypatch) -> list[bool]:
 
 
 def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
-    """Bench-shaped float32 rows without edits run on the caller's logits (no copy, no in-place
-    division, nothing written); a penalised batch takes the block route. Tokens and logprobs equal
-    the reference's either way."""
+    """Bench-shaped float32 rows without edits but penalties run on the caller's logits (no
+    in-place division); the logits are as they were after the step (penalties restored) and the
+    tokens and logprobs equal the reference's and the block route's."""
     import tokensampler.torch_step as step_module
     from tokensampler.bench import make_logits
     seen = _record_routes(monkeypatch)
     logits = make_logits(4, 20000, seed=3)
     before = logits.clone()
-    params = [SamplingParams(temperature=0.6, top_p=0.9, seed=1, logprobs=3),
+    params = [SamplingParams(temperature=0.6, top_p=0.9, seed=1, repetition_penalty=1.3, logprobs=3),
               SamplingParams(temperature=0.6, seed=2),
-              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=3, logprobs=5),
-              SamplingParams(temperature=0.0, logprobs=2)]
-    want = run_reference(logits, params)
-    direct = run_sampler(logits, params)
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, seed=3, logprobs=5, frequency_penalty=0.5),
+              SamplingParams(temperature=0.0, logprobs=2, presence_penalty=2.0)]
+    top = logits.topk(3, dim=-1).indices.tolist()  # penalise ids that matter
+    history = dict(prompts=[top[0][:2], [], [1, 2], top[3][:1]], outputs=[[5], [], top[2][:2] * 2, top[3][:1]])
+    want = run_reference(logits, params, **history)
+    direct = run_sampler(logits, params, **history)
     assert seen == [False] and torch.equal(logits, before)
     monkeypatch.setattr(step_module, "DIRECT_ROUTE", False)
-    blocked = run_sampler(logits, params)
-    assert seen[1:] == [True]
+    blocked = run_sampler(logits, params, **history)
+    assert seen[1:] and all(seen[1:])
     assert_same_output(want, direct)
     assert_same_output(want, blocked)
-    monkeypatch.setattr(step_module, "DIRECT_ROUTE", True)
-    penalised = [SamplingParams(temperature=0.6, top_p=0.9, seed=1, repetition_penalty=1.3)] + params[1:]
-    top = logits.topk(3, dim=-1).indices.tolist()  # penalise ids that matter
-    history = dict(prompts=[top[0][:2], [], [], []], outputs=[[5], [], [], []])
-    assert_same_output(run_reference(logits, penalised, **history), run_sampler(logits, penalised, **history))
-    assert seen[2:] == [True] and torch.equal(logits, before)
 
 
 def test_undivided_floor_is_below_every_value_that_divides_above_lower():
@@ -478,8 +476,8 @@ def test_top_p_total_over_a_kept_set_longer_than_the_sorted_head(mode):
 
 
 def test_compiled_read_only_route_matches_reference(monkeypatch):
-    """TOKENSAMPLER_COMPILE=1 through the read-only route (the compiled count and tail with its
-    error bound, raw logprobs from the compiled statistics) and, with penalties, the block route."""
+    """TOKENSAMPLER_COMPILE=1 through the read-only route: the compiled count and tail (with its
+    error bound), penalties written and restored, raw logprobs from the compiled statistics."""
     import tokensampler.torch_step as step_module
     from tokensampler.bench import make_logits
     monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
@@ -487,21 +485,16 @@ def test_compiled_read_only_route_matches_reference(monkeypatch):
     logits = make_logits(6, 30000, seed=8)
     before = logits.clone()
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=5),
-              SamplingParams(temperature=0.7, top_p=0.95, seed=2),
+              SamplingParams(temperature=0.7, top_p=0.95, seed=2, repetition_penalty=1.2, frequency_penalty=0.4),
               SamplingParams(temperature=0.8, top_k=50, seed=3, logprobs=2),
-              SamplingParams(temperature=1.0, min_p=0.05, seed=4),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4, presence_penalty=0.5),
               SamplingParams(temperature=0.0, logprobs=3),
               SamplingParams(temperature=0.6, top_k=20, top_p=0.9, seed=6)]
-    want = run_reference(logits, params)
-    got = run_sampler(logits, params)
+    top = logits.topk(4, dim=-1).indices.tolist()
+    history = dict(prompts=[[], top[1][:2], [], top[3][:1], [], []], outputs=[[], top[1][2:3], [], [7], [], []])
+    want = run_reference(logits, params, **history)
+    got = run_sampler(logits, params, **history)
     assert seen == [False] and torch.equal(logits, before)
     assert_same_output(want, got)
     monkeypatch.setattr(step_module, "DIRECT_ROUTE", False)
-    assert_same_output(want, run_sampler(logits, params))
-    monkeypatch.setattr(step_module, "DIRECT_ROUTE", True)
-    penalised = [SamplingParams(temperature=0.7, top_p=0.95, seed=2, repetition_penalty=1.2,
-                                frequency_penalty=0.4)] + params[1:]
-    top = logits.topk(4, dim=-1).indices.tolist()
-    history = dict(prompts=[top[0][:2]] + [[]] * 5, outputs=[top[0][2:3]] + [[]] * 5)
-    assert_same_output(run_reference(logits, penalised, **history), run_sampler(logits, penalised, **history))
-    assert torch.equal(logits, before)
+    assert_same_output(want, run_sampler(logits, params, **history))

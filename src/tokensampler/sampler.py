@@ -214,6 +214,9 @@ class Sampler:
         slot's history and the slot's position advances by one.
         record: optional bool [B] on the sampler's device; rows where it is False are sampled but
         neither counted nor advanced (their slot's state is left as it was).
+        `logits` holds the same values after the call, but may serve as scratch during it (on a
+        CPU, penalised values are written at the seen ids and restored): do not read it from
+        another thread while `sample` runs.
         """
         if self._split is not None:
             return self._split.sample(logits, slots, record=record)

@@ -1,7 +1,7 @@
 """`TorchStep`: steps 1-12 of the definition in torch, without sorting the vocabulary.
 
-Float32 batches that need no edit before temperature run on the caller's logits, read only (the
-read-only route: values divided where they are read).
+Float32 batches that need no edit before temperature except penalties run on the caller's logits
+(the read-only route: values divided where read, penalties written at the seen ids and restored).
 Others, and flat rows, are cut into row blocks of about `BLOCK_ELEMENTS` logits, each copied once
 into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
 
@@ -28,6 +28,7 @@ from . import compile as ts_compile
 from . import rng
 from .ops import fused, logprobs, masking, penalties
 from .ops.argmax import first_argmax
+from .ops.indexing import read_at, write_at
 from .output import LogprobsOutput, SamplerOutput
 from .params import SamplingParams
 from .plan import StepPlan
@@ -95,24 +96,60 @@ class TorchStep:
 
     def _direct_applies(self, logits: torch.Tensor, plan: StepPlan, rows: list[SamplingParams]) -> bool:
         """The route on the caller's logits: float32 on a CPU, nothing to remove or add before
-        temperature (no allowed ids, min_tokens, bias or penalties: the caller's logits are never
-        written) and no processed logprobs (they read the edited z)."""
-        edits = plan.allowed_ids or plan.min_tokens or plan.logit_bias or plan.penalties
+        temperature except penalties (no allowed ids, min_tokens, bias) and no processed logprobs
+        (they read the edited z). Penalties need rows that do not share memory (they are written
+        in place and restored)."""
+        edits = plan.allowed_ids or plan.min_tokens or plan.logit_bias
         processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
-        return logits.dtype == torch.float32 and not edits and not processed and logits.device.type == "cpu"
+        if logits.dtype != torch.float32 or edits or processed or logits.device.type != "cpu":
+            return False
+        if plan.penalties:
+            separate_rows = logits.stride(1) == 1 and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])
+            writable = not logits.requires_grad and (not logits.is_inference() or torch.is_inference_mode_enabled())
+            return separate_rows and writable
+        return True
 
     def _run_direct(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
                     tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None) -> bool:
-        """Steps 6-12 on the caller's logits, read only, all rows at once: no workspace copy, no
-        in-place division (values are divided where they are read). Returns False, having written
-        nothing, when a row needs the block route (NaN or +inf in the logits, a row emptied by
-        1/T, a row too flat for a candidate list)."""
+        """Steps 5-12 on the caller's logits, all rows at once: no workspace copy, no in-place
+        division (values are divided where they are read). Penalised rows get their penalised
+        values written at the ids they have seen, and the original values back before returning.
+        Returns False, having changed nothing, when a row needs the block route (NaN or +inf in
+        the logits, a row emptied, a row too flat for a candidate list)."""
         z = logits[:, :self.vocab_size]
+        edits = self._penalty_edits(z, index, rows) if plan.penalties else None
+        if edits is None:
+            return self._sample_direct(logits, z, index, rows, plan, tokens, valid, result)
+        row_index, ids, penalised = edits
+        original = read_at(z, row_index, ids)
+        write_at(z, row_index, ids, penalised)
+        try:
+            done = self._sample_direct(logits, z, index, rows, plan, tokens, valid, None, edited=True)
+        finally:
+            write_at(z, row_index, ids, original)
+        if done and result is not None:  # raw scores: after the original values are back
+            self._direct_logprobs(logits, tokens, plan, result)
+        return done
+
+    def _penalty_edits(self, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams]
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(row_index, ids, penalised values) of the penalised rows of the batch, or None."""
+        st = self.state
+        penalised = _positions(rows, _has_penalties)
+        slot_list = index.tolist()
+        return penalties.penalty_edits(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
+                                       st.output_counts, st.repetition, st.frequency, st.presence)
+
+    def _sample_direct(self, logits: torch.Tensor, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
+                       plan: StepPlan, tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None,
+                       edited: bool = False) -> bool:
         z_max = z.amax(dim=-1)
         if not bool((torch.isfinite(z_max) | torch.isneginf(z_max)).all()):  # NaN or +inf somewhere
             return False
         row_valid = z_max > float("-inf")
         valid_host = row_valid.tolist()
+        if edited and not all(valid_host):
+            return False  # a penalty overflowed a row to -inf: its raw greedy id needs the block route
         st = self.state
         sampled = [b for b, p in enumerate(rows) if not p.greedy and valid_host[b]]
         if sampled and bool(torch.isneginf(z_max[sampled] / st.temperature[index[sampled]]).any()):
