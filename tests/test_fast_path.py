@@ -237,7 +237,7 @@ def monkeypatch_tiny():
 
 @st.composite
 def plain_batches(draw):
-    """Batches the read-only route takes: float32 logits, nothing to remove or add before T
+    """Batches the direct route takes: float32 logits, nothing to remove or add before T
     except penalties (written in place and restored)."""
     logits, params, prompts, outputs, vocab, mode = draw(batches())
     keep = ("temperature", "top_k", "top_p", "min_p", "seed", "logprobs", "presence_penalty",
@@ -248,7 +248,7 @@ def plain_batches(draw):
 
 @FAST
 @given(case=plain_batches(), direct=st.booleans())
-def test_matches_reference_read_only_route(case, direct):
+def test_matches_reference_direct_route(case, direct):
     import tokensampler.torch_step as step_module
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(step_module, "DIRECT_ROUTE", direct)
@@ -268,7 +268,7 @@ def _record_routes(monkeypatch) -> list[bool]:
     return seen
 
 
-def test_read_only_route_is_taken_and_matches_the_block_route(monkeypatch):
+def test_direct_route_is_taken_and_matches_the_block_route(monkeypatch):
     """Bench-shaped float32 rows without edits but penalties run on the caller's logits (no
     in-place division); the logits are as they were after the step (penalties restored) and the
     tokens and logprobs equal the reference's and the block route's."""
@@ -369,7 +369,7 @@ def test_penalty_state_update_is_by_token():
 
 @pytest.mark.parametrize("direct", [True, False])
 def test_no_logits_sized_allocation_in_a_step(direct, monkeypatch):
-    """Read-only route: temporaries only; block route: a block workspace plus block-sized
+    """Direct route: temporaries only; block route: a block workspace plus block-sized
     temporaries. Either way the step's peak extra memory, the held workspace included, stays
     below one float32 buffer of the logits (the bench reports the same measure on the matrix)."""
     import tokensampler.torch_step as sampler_module
@@ -475,8 +475,8 @@ def test_top_p_total_over_a_kept_set_longer_than_the_sorted_head(mode):
         assert bool((kept[:3] > fused.TOP_P_HEAD).all()), kept
 
 
-def test_compiled_read_only_route_matches_reference(monkeypatch):
-    """TOKENSAMPLER_COMPILE=1 through the read-only route: the compiled count and tail (with its
+def test_compiled_direct_route_matches_reference(monkeypatch):
+    """TOKENSAMPLER_COMPILE=1 through the direct route: the compiled count and tail (with its
     error bound), penalties written and restored, raw logprobs from the compiled statistics."""
     import tokensampler.torch_step as step_module
     from tokensampler.bench import make_logits

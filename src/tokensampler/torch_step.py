@@ -1,7 +1,7 @@
 """`TorchStep`: steps 1-12 of the definition in torch, without sorting the vocabulary.
 
 Float32 batches that need no edit before temperature except penalties run on the caller's logits
-(the read-only route: values divided where read, penalties written at the seen ids and restored).
+(the direct route: values divided where read, penalties written at the seen ids and restored).
 Others, and flat rows, are cut into row blocks of about `BLOCK_ELEMENTS` logits, each copied once
 into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
 
@@ -35,7 +35,7 @@ from .plan import StepPlan
 from .state import SamplerState
 
 BLOCK_ELEMENTS = 7 << 18  # elements per row block (12 rows at V = 152k: measured fastest within the memory bound)
-DIRECT_ROUTE = True  # the read-only route on the caller's logits where it applies (tests cover both)
+DIRECT_ROUTE = True  # the direct route on the caller's logits where it applies (tests cover both)
 
 
 def _has_penalties(p: SamplingParams) -> bool:
@@ -65,7 +65,7 @@ class TorchStep:
         self._p_workspace: torch.Tensor | None = None
 
     def run(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
-        """Steps 1-12: plain greedy batches on the logits themselves; else the read-only route
+        """Steps 1-12: plain greedy batches on the logits themselves; else the direct route
         (`_run_direct`) where it applies; else (or when it hands the call back) one block of
         consecutive rows at a time through the workspace. No buffer of the logits' size is
         allocated on any route."""
@@ -174,7 +174,7 @@ class TorchStep:
 
     def _direct_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
                          result: LogprobsOutput) -> None:
-        """Raw logprobs of the read-only route: all rows at once when compiled (the statistics are
+        """Raw logprobs of the direct route: all rows at once when compiled (the statistics are
         reductions: small temporaries), else a block of rows at a time (eager log_softmax writes a
         block-sized tensor)."""
         rows_per_call = logits.shape[0] if ts_compile.enabled() else self._block_rows
@@ -273,7 +273,7 @@ class TorchStep:
                      block_params: list[SamplingParams], sampled: list[int], processed: bool,
                      in_place: bool = True) -> torch.Tensor | None:
         """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block
-        (None: `fused.sample_rows` declined the read-only form)."""
+        (None: `fused.sample_rows` declined the direct form)."""
         st = self.state
         everyone = len(sampled) == z.shape[0]
         zs = z if everyone else z[sampled]

@@ -69,7 +69,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     exact kept threshold (kept = z >= tau, finite), as processed logprobs need; otherwise tau may
     differ from it only below the winnable floor, where it cannot change the token.
 
-    in_place=False: z is read only (the caller's logits: finite max, no exact_threshold); values
+    in_place=False: z is not written (the caller's logits: finite max, no exact_threshold); values
     are divided by T where they are read, bit for bit as the in-place division. Returns None when a
     row needs a full-row route (flat rows, +inf after T): the caller then runs the in-place form."""
     cap = CANDIDATE_CAP if candidate_cap is None else candidate_cap
