@@ -20,8 +20,8 @@ import torch
 
 from tokensampler.batch_params import BatchSamplingParams
 from tokensampler.generator import SamplingGenerator
-from tokensampler.params import SamplingParams
-from tokensampler.sampler import Sampler
+from tokensampler import SamplingParams
+from tokensampler import Sampler
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""The workload matrix of `tokensampler bench` on one CUDA GPU: the Triton step against its floors
+"""The workload matrix of `tokensampler.tools.bench` on one CUDA GPU: the Triton step against its floors
 and the usual alternatives, side by side, and its tokens against the CPU reference.
 
     PYTHONPATH=src python benchmarks/gpu.py                 # all cases -> benchmarks/gpu.json
@@ -9,7 +9,7 @@ Per case (same logits tensor for every arm, arms alternating within each round):
   amax_floor     `logits.amax(-1)` (the single-pass floor of DESIGN.md)
   kernels        `Sampler.sample` on the Triton step (the default for CUDA logits)
   torch_sampler  `Sampler.sample` with TOKENSAMPLER_BACKEND=torch (eager: it is not graph-safe)
-  sort_pipeline  the textbook sort/cumsum/multinomial step of `tokensampler.bench`
+  sort_pipeline  the textbook sort/cumsum/multinomial step of `tokensampler.tools.bench`
   flashinfer     `flashinfer.sampling.top_k_top_p_sampling_from_logits` (cases with top-k or top-p,
                  when FlashInfer is installed)
 Times are CUDA-event medians of `--rounds` rounds of `--iters` back-to-back calls, each arm
@@ -36,8 +36,8 @@ try:
 except ImportError:  # run from a checkout without PYTHONPATH=src
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tokensampler import bench  # noqa: E402
-from tokensampler.kernels import BACKEND_ENV  # noqa: E402
+from tokensampler.tools import bench  # noqa: E402
+from tokensampler.backends.triton.config import BACKEND_ENV  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "gpu.json"
 ARMS = ("copy_floor", "amax_floor", "kernels", "torch_sampler", "sort_pipeline", "flashinfer")

@@ -9,7 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
-from tokensampler.reference import LOGPROBS_MODES, ReferenceRequest, reference_sample
+from tokensampler.core.constants import LOGPROBS_MODES
+from tokensampler.reference import ReferenceRequest, reference_sample
 
 
 def random_params(rng: random.Random, vocab: int, seed: int) -> SamplingParams:

@@ -4,18 +4,24 @@ Given a batch of logits and each request's parameters and history, pick every re
 token exactly as docs/semantics.md defines it, fast, on CPU or GPU, with per-slot state.
 """
 
-from .api import sample
-from .batch_params import BatchSamplingParams
-from .generation_config import GenerationDefaults, InvalidRequest, load_generation_defaults, resolve_request
-from .generator import SamplingGenerator, StaleSamplingState
-from .output import LogprobsOutput, SamplerOutput
-from .params import InvalidSamplingParams, SamplingParams
-from .sampler import Sampler
-from .seeds import SeedManager
+from .core.errors import (InvalidCheckpoint, InvalidEnvironment, InvalidRequest, InvalidSamplingParams,
+                          InvalidSlotRemap, SplitMismatch, StaleSamplingState, TokenSamplerError, TraceMismatch)
+from .core.output import LogprobsOutput, SamplerOutput
+from .core.params import SamplingParams
+from .engine.batch_params import (BatchSamplingParams, broadcast_sampling_params, chunk_sampling_params,
+                                  format_sampling_params, scatter_sampling_params_to_slots, slice_sampling_params)
+from .engine.generator import SamplingGenerator
+from .engine.seeds import SeedManager, rank_local_slot_remap
+from .engine.tracing import TraceKey
+from .sampler import Sampler, sample
+from .serving.generation_config import GenerationDefaults, load_generation_defaults, resolve_request
 
 __all__ = [
-    "BatchSamplingParams", "GenerationDefaults", "InvalidRequest", "InvalidSamplingParams", "LogprobsOutput",
-    "Sampler", "SamplerOutput", "SamplingGenerator", "SamplingParams", "SeedManager", "StaleSamplingState",
-    "load_generation_defaults", "resolve_request", "sample",
+    "BatchSamplingParams", "GenerationDefaults", "InvalidCheckpoint", "InvalidEnvironment", "InvalidRequest",
+    "InvalidSamplingParams", "InvalidSlotRemap", "LogprobsOutput", "Sampler", "SamplerOutput", "SamplingGenerator",
+    "SamplingParams", "SeedManager", "SplitMismatch", "StaleSamplingState", "TokenSamplerError", "TraceKey",
+    "TraceMismatch", "broadcast_sampling_params", "chunk_sampling_params", "format_sampling_params",
+    "load_generation_defaults", "rank_local_slot_remap", "resolve_request", "sample",
+    "scatter_sampling_params_to_slots", "slice_sampling_params",
 ]
 __version__ = "0.1.0"

@@ -1,7 +1,8 @@
-"""The obviously-correct, slow implementation of DESIGN.md section 1: the oracle of the tests.
+"""The obviously-correct, slow implementation of docs/semantics.md: the oracle of the tests.
 
 One row at a time, one step of the definition per block, sorting allowed. Every fast path
-(`ops/`, `kernels/`, `distributed.py`) is tested token for token against `reference_sample`.
+(`backends/native`, `backends/triton`, `backends/split`) is tested token for token against
+`reference_sample`. Imports only `core`; imported only by the tests and the tools (the bench).
 Floating-point conventions that make "the same token" well defined are in docs/semantics.md:
 z is float32 throughout, top-p masses are float64 sums of float32 `exp(z - z_max)`, the Gumbel
 noise comes from `rng.gumbel`.
@@ -14,12 +15,11 @@ from typing import Sequence
 
 import torch
 
-from . import rng
-from .output import LogprobsOutput, SamplerOutput
-from .params import SamplingParams
-
-NEG_INF = float("-inf")
-LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+from .core import rng
+from .core.constants import LOGPROBS_MODES, NEG_INF
+from .core.order import saturate_posinf
+from .core.output import LogprobsOutput, SamplerOutput
+from .core.params import SamplingParams
 
 
 @dataclass
@@ -33,14 +33,6 @@ class ReferenceRequest:
     output_token_ids: Sequence[int] = ()
     stream: int = 0
     eos_token_ids: Sequence[int] = field(default_factory=tuple)
-
-
-def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
-    """+inf ids dominate: if any is present, they alone stay, at equal value (softmax's limit)."""
-    posinf = z == float("inf")
-    if bool(posinf.any()):
-        return torch.where(posinf, torch.zeros_like(z), torch.full_like(z, NEG_INF))
-    return z
 
 
 def _mass_and_count_above(z: torch.Tensor, p: torch.Tensor, kept: torch.Tensor):
@@ -153,7 +145,7 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
 
 def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest], *,
                      vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
-    """Section 1 of DESIGN.md for a batch: row b of `logits` ([B, Vp]) belongs to `requests[b]`.
+    """The definition (docs/semantics.md) for a batch: row b of `logits` ([B, Vp]) belongs to `requests[b]`.
 
     Returns a CPU `SamplerOutput`; logprobs follow the same conventions as `Sampler.sample`
     (ranks and the top-N order are taken on the values before rounding to logprobs: value, then id).

@@ -1,0 +1,62 @@
+"""The backends of one sampling step, behind one interface (`base.Step`), chosen in one place.
+
+- `native`: torch ops, sort-free, the CPU fast path (and the torch path on CUDA);
+- `triton`: fused Triton kernels for CUDA logits (`TOKENSAMPLER_BACKEND` overrides the choice);
+- `split`: the vocabulary split over a group, a few small all-gathers per step.
+
+`Backends.choose` is that place: a sampler whose layout is a slice runs the split step; otherwise
+CUDA logits run the kernels when Triton is importable; everything else runs the torch step. Steps
+are made on first use and keep their buffers from call to call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.plan import StepPlan
+from ..parallel.agreement import Agreement
+from ..state import SamplerState
+from .base import Step
+from .native.config import NativeConfig
+from .native.step import TorchStep
+from .triton.config import KernelConfig, use_kernels
+
+__all__ = ["Backends", "Step"]
+
+
+class Backends:
+    """The steps one sampler can run, on its state; `choose` picks the one for a call."""
+
+    def __init__(self, state: SamplerState, logprobs_mode: str, agreement: Agreement,
+                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None) -> None:
+        self.state = state
+        self.logprobs_mode = logprobs_mode
+        self.agreement = agreement
+        self.kernel_config = kernel_config
+        self.native = TorchStep(state, logprobs_mode, native_config)
+        self._kernels: Step | None = None
+        self._split: Step | None = None
+
+    def choose(self, logits: torch.Tensor, plan: StepPlan) -> Step:
+        """The step that runs `plan` on `logits`."""
+        if self.state.layout.split:
+            return self.split
+        if use_kernels(logits, plan.logprobs_width):
+            return self.kernels
+        return self.native
+
+    @property
+    def kernels(self) -> Step:
+        """The fused Triton step (imports Triton on first use)."""
+        if self._kernels is None:
+            from .triton.launcher import KernelStep
+            self._kernels = KernelStep(self.state, self.logprobs_mode, self.kernel_config)
+        return self._kernels
+
+    @property
+    def split(self) -> Step:
+        """The split step over the agreement's exchange."""
+        if self._split is None:
+            from .split.step import SplitStep
+            self._split = SplitStep(self.state, self.logprobs_mode, self.agreement.exchange)
+        return self._split

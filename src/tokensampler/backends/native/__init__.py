@@ -1,0 +1,6 @@
+"""The torch step (the CPU fast path, sort-free) and its building blocks, one job per module.
+
+Each op works on a batch of rows `[B, V]` (float32 `z`, `-inf` = removed) with per-row parameter
+columns and reproduces the float operations of `reference.py` exactly; `config.NativeConfig`
+holds the routes and sizes, `compile` the torch.compile switch.
+"""

@@ -1,0 +1,66 @@
+"""`NativeConfig`: the tunables of the torch step (routes, block sizes, caps), validated and frozen.
+
+The defaults are what the bench measured fastest on a 2-core AVX2 machine within the memory bound
+of one float32 logits buffer (docs/cpu-fast-path.md). Every value changes only speed and memory,
+never a token: tests set extreme values to force each route (`Sampler(native_config=...)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ...core.checks import check_bool, check_int
+from ...core.errors import InvalidSamplingParams
+
+
+@dataclass(frozen=True)
+class NativeConfig:
+    """Routes and sizes of the torch step.
+
+    direct_route: float32 batches with nothing to remove or add before temperature (except
+      penalties) are read in place from the caller's logits; False sends them to the block route.
+    block_elements: logits per row block of the block route (rows per block = this // V, at least 1).
+    candidate_cap: the longest candidate list per row before a row takes the dense route (0: every
+      sampled row takes it).
+    top_p_head: the sorted prefix of a candidate list searched first for the top-p crossing.
+    column_chunk: elements per column chunk of the eager full-row passes (bounds temporaries).
+    histogram_bins: bins of the histogram top-p search.
+    dense_block: elements per column block of the dense route's noise pass.
+    dense_bracket_cap: most ids per row scanned inside a dense top-p bracket before the histogram.
+    dense_sample_stride: one id in this many is read to place the dense route's candidate thresholds.
+    dense_threshold_offsets: sample positions around the estimated top-p crossing (dense route).
+    dense_proxy_column: the candidate column above which the dense race bound is sought.
+    """
+
+    direct_route: bool = True
+    block_elements: int = 7 << 18  # 12 rows at V = 152k
+    candidate_cap: int = 16384
+    top_p_head: int = 64
+    column_chunk: int = 1 << 16
+    histogram_bins: int = 4096
+    dense_block: int = 1 << 18
+    dense_bracket_cap: int = 16384
+    dense_sample_stride: int = 64
+    dense_threshold_offsets: tuple[int, ...] = field(default=(-64, -16, 0, 16, 64))
+    dense_proxy_column: int = 1
+
+    def __post_init__(self) -> None:
+        check_bool("NativeConfig.direct_route", self.direct_route)
+        for name in ("block_elements", "top_p_head", "column_chunk", "histogram_bins", "dense_block",
+                     "dense_sample_stride"):
+            check_int(f"NativeConfig.{name}", getattr(self, name), 1)
+        for name in ("candidate_cap", "dense_bracket_cap"):
+            check_int(f"NativeConfig.{name}", getattr(self, name), 0)
+        offsets = self.dense_threshold_offsets
+        if not isinstance(offsets, tuple) or not offsets or any(isinstance(o, bool) or not isinstance(o, int)
+                                                                  for o in offsets):
+            raise InvalidSamplingParams("NativeConfig.dense_threshold_offsets", offsets, "a non-empty tuple of ints")
+        check_int("NativeConfig.dense_proxy_column", self.dense_proxy_column, 0, self.dense_thresholds - 1)
+
+    @property
+    def dense_thresholds(self) -> int:
+        """Candidate thresholds per row of the dense route: +inf, the offsets, the threshold so far."""
+        return len(self.dense_threshold_offsets) + 2
+
+
+DEFAULT = NativeConfig()

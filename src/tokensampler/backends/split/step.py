@@ -1,0 +1,246 @@
+"""`SplitStep`: one sampling step on a vocabulary slice, every rank computing the same answer.
+
+With `Sampler(..., group=G)` every rank of G passes its own logits slice `[B, Vp / W]`; rank r
+owns the global ids `[r * Vp / W, (r + 1) * Vp / W)` and ids >= V (padding, possibly spanning
+several ranks) are removed. The step follows the order of the definition, with a small all-gather
+wherever a stage needs the whole row; it moves a few numbers per row, never the slice:
+
+    summaries   all-gather [B, 5 (+3)]: raw and processed row max and first id (+ sum-exp, #+inf)
+    top-k       all-gather [B, min(k_max, Vp/W)]: each rank's top-k candidates (rows with top-k)
+    top-p       `merge.bisection_rounds(P)` all-gathers [B, P (+1)]: float64 mass above P pivots
+    winner      all-gather [B, 6]: (z + g, global id, ...) of each rank's Gumbel winner
+    logprobs    all-gather [B, 1 + 2 N]: count of ids ranked above the token, local top-N
+
+(The `Sampler`'s agreement on the call, before the step, is one more all-gather of int64 [4].)
+Every rank runs the same code on the same gathered numbers, so every rank returns the same
+tokens and log-probs, equal to the unsplit sampler on the concatenated logits; the math of each
+merge is in `merge.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ...core import rng
+from ...core.constants import NEG_INF, POS_INF
+from ...core.order import KEY_NEG_INF, key_to_float, order_key, saturate_posinf
+from ...core.output import LogprobsOutput, SamplerOutput
+from ...core.params import SamplingParams
+from ...core.plan import StepPlan
+from ...parallel.transport import Exchange
+from ...state import SamplerState
+from ..native import penalties
+from . import merge as sel
+
+DEFAULT_TOP_P_PIVOTS = 255
+
+
+def _f64(*columns: torch.Tensor) -> torch.Tensor:
+    return torch.stack([c.to(torch.float64) for c in columns], dim=-1)
+
+
+def _saturated_value(value: torch.Tensor, has_posinf: torch.Tensor) -> torch.Tensor:
+    """The +inf rule on one value per row: 0 if it is +inf, -inf if another id is +inf."""
+    return saturate_posinf(value[:, None], has_posinf)[:, 0]
+
+
+def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan):
+    """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf."""
+    st = split.state
+    z = logits.to(torch.float32, copy=True)
+    z.masked_fill_(torch.isnan(z) | split.padding[None, :], NEG_INF)
+    raw = z.clone()
+    if plan.allowed_ids:
+        z.masked_fill_(~st.allowed_mask[index], NEG_INF)
+    if plan.min_tokens and st.stop_mask is not None:
+        below = st.output_len[index] < st.min_tokens[index]
+        z.masked_fill_(st.stop_mask[index] & below[:, None], NEG_INF)
+    if plan.logit_bias:
+        z = z + st.logit_bias[index]
+    if plan.penalties:
+        z = penalties.apply_penalties(z, st.prompt_mask[index], st.output_counts[index],
+                                      st.repetition[index], st.frequency[index], st.presence[index])
+    return raw, z
+
+
+def _top_p_threshold(split: SplitStep, zs: torch.Tensor, p: torch.Tensor, z_max: torch.Tensor,
+                     top_p: torch.Tensor) -> torch.Tensor:
+    """The smallest kept z whose float64 mass of strictly larger kept z is < top_p * total, found by
+    bisection over the ordered float32 keys; `split.top_p_rounds` all-gathers of [S, P]."""
+    table = sel.MassAbove(zs, p)
+    lo = torch.full_like(z_max, KEY_NEG_INF, dtype=torch.int64)
+    hi = order_key(z_max)
+    bound = None
+    for round_index in range(split.top_p_rounds):
+        pivots = sel.bisection_pivots(lo, hi, split.top_p_pivots)
+        local = table.at(key_to_float(pivots))
+        if round_index == 0:
+            local = torch.cat([local, table.total()[:, None]], dim=-1)
+        mass = split.exchange.all_gather(local).sum(dim=0)
+        if round_index == 0:
+            bound = top_p * mass[:, -1]
+            mass = mass[:, :-1]
+        lo, hi = sel.bisection_step(lo, hi, pivots, mass < bound[:, None])
+    return key_to_float(hi)
+
+
+def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,
+            k_max: int) -> torch.Tensor:
+    """min-p (local: the row max is known), top-k (one all-gather of each rank's candidates) and
+    top-p (bisection) on the sampled rows `zs` [S, width], in place; `row_max` is their global max."""
+    st = split.state
+    if plan.min_p:
+        zs.masked_fill_(torch.exp(zs - row_max[:, None]) < st.min_p[slots][:, None], NEG_INF)
+    if plan.top_k and k_max > 0:
+        candidates = sel.local_top_values(zs, min(k_max, split.width))
+        kth = sel.merge_kth_largest(split.exchange.all_gather(candidates), st.top_k[slots])
+        zs.masked_fill_(zs < kth[:, None], NEG_INF)
+    if plan.top_p:
+        top_p = st.top_p[slots].to(torch.float64)
+        threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
+        zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+    return zs
+
+
+def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
+                   row_params: Sequence[SamplingParams]) -> SamplerOutput:
+    """Sample the rows of `logits` (this rank's slice, [B, width]) for slots `index`, whose
+    parameters (host mirror) are `row_params`."""
+    st, ex, offset = split.state, split.exchange, split.offset
+    raw, z = _processed_z(split, logits, index, plan)
+
+    # summaries of the raw and processed rows: max and its first id (+ sum-exp, #+inf for log-probs)
+    mode = split.logprobs_mode if plan.wants_logprobs else None
+    z_max_local, z_id_local = sel.local_max_and_id(z, offset)
+    raw_max_local, raw_id_local = sel.local_max_and_id(raw, offset)
+    raw_at_z = raw.gather(-1, (z_id_local - offset)[:, None]).squeeze(-1)
+    columns = [_f64(raw_id_local, z_id_local, raw_at_z, raw_max_local, z_max_local)]
+    if mode == "raw_logprobs":
+        columns.append(sel.local_sumexp(raw))
+    elif mode == "processed_logprobs":
+        columns.append(sel.local_sumexp(z))
+    g1 = ex.all_gather(torch.cat(columns, dim=-1))
+    raw_max, raw_token = sel.merge_max_lowest_id(g1[..., 3], g1[..., 0].to(torch.int64))
+    z_max, greedy_token = sel.merge_max_lowest_id(g1[..., 4], g1[..., 1].to(torch.int64))
+    raw_posinf, z_posinf = raw_max == POS_INF, z_max == POS_INF
+    valid = z_max > NEG_INF
+    tokens = torch.where(valid, greedy_token, raw_token)
+    z = saturate_posinf(z, z_posinf)
+    z_max_sat = torch.where(z_posinf, torch.zeros_like(z_max), z_max).to(torch.float32)
+    greedy_owner = sel.owner_of(g1[..., 1].to(torch.int64), greedy_token)
+    raw_at_token = torch.where(valid, sel.pick_rank(g1[..., 2], greedy_owner), raw_max)
+    final_at_token = torch.where(valid, z_max_sat.to(torch.float64), torch.full_like(z_max, NEG_INF))
+    final, lse = z, None
+    if mode in ("raw_logprobs", "processed_logprobs"):
+        lse = torch.stack(sel.merge_logsumexp(g1[..., 5:8]))  # processed: greedy rows; sampled rows below
+
+    if plan.sampled_rows:
+        rows = torch.tensor(plan.sampled_rows, dtype=torch.int64, device=split.device)
+        slots = index[rows]
+        temperature = st.temperature[slots]
+        zs = z[rows] / temperature[:, None]
+        row_max = z_max_sat[rows] / temperature  # division by T > 0 keeps the order: the new max
+        zs = saturate_posinf(zs, row_max == POS_INF)
+        row_max = torch.where(row_max == POS_INF, torch.zeros_like(row_max), row_max)
+        row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # bad rows
+        zs = _filter(split, zs, row_max, slots, plan, max(row_params[b].top_k for b in plan.sampled_rows))
+        # the Gumbel winner, noise keyed by the global id
+        keys = rng.row_key(st.seed[slots], st.position[slots], st.stream[slots])[:, None]
+        score = zs + rng.gumbel_from_bits(rng.random_bits(keys, split.global_ids[None, :]))
+        score.masked_fill_(torch.isneginf(zs), NEG_INF)
+        best_local, best_id_local = sel.local_max_and_id(score, offset)
+        column = (best_id_local - offset)[:, None]
+        winners = [_f64(best_local, best_id_local, raw[rows].gather(-1, column).squeeze(-1),
+                        zs.gather(-1, column).squeeze(-1))]
+        if mode == "processed_logprobs":
+            winners.append(sel.local_sumexp(zs))
+        g2 = ex.all_gather(torch.cat(winners, dim=-1))
+        winner = sel.merge_max_lowest_id(g2[..., 0], g2[..., 1].to(torch.int64))[1]
+        owner = sel.owner_of(g2[..., 1].to(torch.int64), winner)
+        ok = valid[rows]
+        tokens[rows] = torch.where(ok, winner, tokens[rows])
+        raw_at_token[rows] = torch.where(ok, sel.pick_rank(g2[..., 2], owner), raw_at_token[rows])
+        final_at_token[rows] = torch.where(ok, sel.pick_rank(g2[..., 3], owner), final_at_token[rows])
+        if mode is not None and mode.startswith("processed"):
+            final = z.clone()
+            final[rows] = zs
+        if mode == "processed_logprobs":
+            lse[:, rows] = torch.stack(sel.merge_logsumexp(g2[..., 4:7]))
+
+    out = SamplerOutput(tokens, valid, None)
+    if mode is not None:
+        if mode.startswith("raw"):
+            keys, token_key = saturate_posinf(raw, raw_posinf), _saturated_value(raw_at_token, raw_posinf)
+        else:
+            keys, token_key = final, final_at_token
+        out.logprobs = _logprobs(split, keys, token_key, lse, plan)
+    return out
+
+
+def _logprobs(split: SplitStep, keys: torch.Tensor, token_key: torch.Tensor, lse: torch.Tensor | None,
+              plan: StepPlan) -> LogprobsOutput:
+    """The token's value and rank, and the top-N, from one all-gather of [B, 1 + 2 c] per rank.
+
+    keys: this rank's scores [B, width] (padding at -inf, never counted); token_key: float64 [B],
+    the sampled token's score; lse: float64 [2, B], `merge_logsumexp`'s (shift, log_total), in the
+    *_logprobs modes, None in the *_logits modes.
+    """
+    device = keys.device
+    width = max(plan.logprobs_width, 0)
+    real = ~split.padding
+    above = ((keys.to(torch.float64) >= token_key[:, None]) & real[None, :]).sum(dim=-1)
+    count = min(width, split.width)
+    top_keys, top_ids = sel.local_top_n(keys, split.real_width, split.offset, count)
+    gathered = split.exchange.all_gather(torch.cat([above[:, None].to(torch.float64),
+                                                    top_keys.to(torch.float64), top_ids.to(torch.float64)], -1))
+    ranks = gathered[..., 0].sum(dim=0).to(torch.int64)
+    take = min(width, split.vocab_size)
+    merged_keys, merged_ids = sel.merge_top_n(gathered[..., 1:1 + count], gathered[..., 1 + count:].to(torch.int64),
+                                              take)
+
+    def value(key: torch.Tensor) -> torch.Tensor:
+        return key.to(torch.float32) if lse is None else sel.log_softmax_from(key, lse[0], lse[1])
+
+    batch = keys.shape[0]
+    top_ids = torch.full((batch, width), -1, dtype=torch.int64, device=device)
+    top_values = torch.full((batch, width), NEG_INF, dtype=torch.float32, device=device)
+    top_ids[:, :take] = merged_ids
+    top_values[:, :take] = value(merged_keys)
+    num = torch.tensor([max(n, 0) for n in plan.num_logprobs], dtype=torch.int64, device=device)
+    padding = torch.arange(width, device=device)[None, :] >= num[:, None]
+    asked = torch.tensor([n >= 0 for n in plan.num_logprobs], dtype=torch.bool, device=device)
+    return LogprobsOutput(value(token_key).masked_fill(~asked, 0.0), ranks.masked_fill(~asked, 0),
+                          top_ids.masked_fill(padding, -1), top_values.masked_fill(padding, NEG_INF))
+
+
+class SplitStep:
+    """The split step of one `Sampler`'s slice state: `run(logits, plan, record) -> SamplerOutput`,
+    the same on every rank of the exchange."""
+
+    capturable = False  # its agreement and its bisection read gathered numbers on the host
+
+    def __init__(self, state: SamplerState, logprobs_mode: str, exchange: Exchange,
+                 top_p_pivots: int = DEFAULT_TOP_P_PIVOTS) -> None:
+        layout = state.layout
+        self.state = state
+        self.logprobs_mode = logprobs_mode
+        self.exchange = exchange
+        self.device = state.device
+        self.vocab_size = layout.vocab_size
+        self.width = layout.columns
+        self.offset = layout.offset
+        self.real_width = layout.real_width
+        self.top_p_pivots = top_p_pivots
+        self.top_p_rounds = sel.bisection_rounds(top_p_pivots)
+        self.global_ids = layout.global_ids(self.device)
+        self.padding = self.global_ids >= self.vocab_size
+
+    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None) -> SamplerOutput:
+        """Sample this rank's slice `logits` [B, width] for the slots of `plan`; rows where the bool
+        [B] `record` is False are sampled but neither counted nor advanced."""
+        index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
+        out = run_split_step(self, logits, index, plan, plan.rows)
+        self.state.record_tokens(index, out.token_ids, record)
+        return out

@@ -1,0 +1,93 @@
+"""Which backend a step runs, and the Triton kernels' tunables (`KernelConfig`); imports no Triton.
+
+`use_kernels` decides whether `Sampler.sample` runs the fused Triton step (`launcher.KernelStep`)
+or the torch step: Triton for CUDA logits when Triton is importable, unless
+`TOKENSAMPLER_BACKEND=torch`; `TOKENSAMPLER_BACKEND=triton` forces the kernels, which on CPU
+tensors needs `TRITON_INTERPRET=1` (how the tests run them without a GPU). The kernels return
+logprobs for N <= 20; a step whose batch asks more runs the torch step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...core.checks import check_int
+from ...core.errors import InvalidEnvironment, InvalidSamplingParams
+
+BACKEND_ENV = "TOKENSAMPLER_BACKEND"
+BACKENDS = ("auto", "torch", "triton")
+MAX_KERNEL_LOGPROBS = 20
+
+_triton_found: bool | None = None
+
+
+def triton_available() -> bool:
+    """True when the `triton` package can be imported (checked once, without importing it)."""
+    global _triton_found
+    if _triton_found is None:
+        _triton_found = importlib.util.find_spec("triton") is not None
+    return _triton_found
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def requested_backend() -> str:
+    """The backend named by TOKENSAMPLER_BACKEND ("auto" when unset or empty)."""
+    name = os.environ.get(BACKEND_ENV, "").strip().lower() or "auto"
+    if name not in BACKENDS:
+        raise InvalidEnvironment(BACKEND_ENV, name, f"one of {BACKENDS}")
+    return name
+
+
+def use_kernels(logits: torch.Tensor, logprobs_width: int) -> bool:
+    """Whether a step on `logits` whose widest logprobs request is `logprobs_width` runs the kernels."""
+    backend = requested_backend()
+    if backend == "torch" or logprobs_width > MAX_KERNEL_LOGPROBS:
+        return False
+    if backend == "auto":
+        return logits.is_cuda and triton_available()
+    if not triton_available() or not (logits.is_cuda or interpreter_enabled()):
+        raise InvalidEnvironment(BACKEND_ENV, backend, "triton only with Triton installed and CUDA logits "
+                                 "(CPU logits need TRITON_INTERPRET=1)")
+    return True
+
+
+MAX_SPLITS = 64
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Block sizes and work split of the kernels (powers of two).
+
+    splits: programs per row of the prepare kernel (0 = enough for ~4 programs per SM on CUDA,
+    1 on CPU). pivots: thresholds tested per pass of the top-k / top-p search. window_cap: once the
+    search window holds at most this many ids they are copied to a per-row list (read window_block
+    at a time) and later passes read only the list.
+    """
+
+    prepare_block: int = 1024
+    select_block: int = 512
+    logprobs_block: int = 1024
+    pivots: int = 16
+    window_cap: int = 4096
+    window_block: int = 512
+    splits: int = 0
+    num_warps: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("prepare_block", "select_block", "logprobs_block", "pivots", "window_cap", "window_block"):
+            value = getattr(self, name)
+            low = 32 if name == "logprobs_block" else 2
+            if check_int(f"KernelConfig.{name}", value, low, allowed=f"a power of two >= {low}") & (value - 1):
+                raise InvalidSamplingParams(f"KernelConfig.{name}", value, f"a power of two >= {low}")
+        splits = check_int("KernelConfig.splits", self.splits, 0, MAX_SPLITS)
+        if splits & (splits - 1):
+            raise InvalidSamplingParams("KernelConfig.splits", splits, f"0 or a power of two <= {MAX_SPLITS}")
+        check_int("KernelConfig.num_warps", self.num_warps, 1)

@@ -1,0 +1,67 @@
+"""`plan_step`: what a sampling step must do, decided on the host from the rows' parameters.
+
+Every backend (the torch step, the Triton kernels, the vocabulary split) reads the same plan, so a
+step never inspects the device to find out which stages its rows need.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .params import SamplingParams
+
+
+def has_penalties(p: SamplingParams) -> bool:
+    """Whether step 5 changes this row: any of the three penalties is not neutral."""
+    return p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a step must do: the slot of each row, the rows' parameters, and which stages run."""
+
+    slots: tuple[int, ...]
+    rows: tuple[SamplingParams, ...]
+    greedy_rows: list[int]
+    sampled_rows: list[int]
+    penalties: bool
+    logit_bias: bool
+    allowed_ids: bool
+    min_tokens: bool
+    min_p: bool
+    top_k: bool
+    top_p: bool
+    num_logprobs: list[int]  # -1 = row did not ask
+    logprobs_width: int
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return any(n >= 0 for n in self.num_logprobs)
+
+    @property
+    def batch(self) -> int:
+        return len(self.slots)
+
+
+def plan_step(rows: Sequence[SamplingParams], vocab_size: int, slots: Sequence[int] | None = None) -> StepPlan:
+    """The step plan for rows with these parameters (no device access); row b samples slot
+    `slots[b]` (default b)."""
+    sampled = [b for b, p in enumerate(rows) if not p.greedy]
+    num_logprobs = [-1 if p.logprobs is None else (vocab_size if p.logprobs == -1 else min(p.logprobs, vocab_size))
+                    for p in rows]
+    return StepPlan(
+        slots=tuple(range(len(rows)) if slots is None else slots),
+        rows=tuple(rows),
+        greedy_rows=[b for b, p in enumerate(rows) if p.greedy],
+        sampled_rows=sampled,
+        penalties=any(has_penalties(p) for p in rows),
+        logit_bias=any(p.logit_bias for p in rows),
+        allowed_ids=any(p.allowed_token_ids is not None for p in rows),
+        min_tokens=any(p.min_tokens > 0 for p in rows),
+        min_p=any(rows[b].min_p > 0.0 for b in sampled),
+        top_k=any(rows[b].top_k > 0 for b in sampled),
+        top_p=any(rows[b].top_p < 1.0 for b in sampled),
+        num_logprobs=num_logprobs,
+        logprobs_width=max(num_logprobs, default=-1),
+    )

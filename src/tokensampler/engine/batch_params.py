@@ -1,0 +1,250 @@
+"""`BatchSamplingParams`: the columnar form of `SamplingParams` that engines hand over, and its helpers.
+
+Every field of `SamplingParams` is either one value for every lane (a scalar) or a `list` with one
+entry per lane; `None` (alone or in a list) means the field's default. Sequence fields
+(`allowed_token_ids`, `stop_token_ids`) are per lane when given as a list of sequences (or Nones),
+`logit_bias` when given as a list of mappings (or Nones). The helpers pad, clamp, broadcast, split,
+scatter and slice these columns; `to_requests` turns lanes back into validated `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Sequence
+
+from ..core.checks import check_int, check_slots
+from ..core.errors import InvalidSamplingParams
+from ..core.params import SamplingParams
+
+FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SEQUENCE_FIELDS = ("allowed_token_ids", "stop_token_ids")
+MAPPING_FIELDS = ("logit_bias",)
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+# The lane that pads a batch: greedy (the cheapest step), every other field at its default.
+PADDING_LANE: dict[str, Any] = {**_DEFAULTS, "temperature": 0.0}
+# Range clamps applied by `format_sampling_params` (values outside are mapped to the nearest end).
+_CLAMPS = {"top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "presence_penalty": (-2.0, 2.0),
+           "frequency_penalty": (-2.0, 2.0)}
+
+
+def _is_per_lane(name: str, value: Any) -> bool:
+    if not isinstance(value, list):
+        return False
+    if name in SEQUENCE_FIELDS:
+        return bool(value) and all(v is None or isinstance(v, (list, tuple)) for v in value)
+    if name in MAPPING_FIELDS:
+        return all(v is None or isinstance(v, Mapping) for v in value)
+    return True
+
+
+@dataclasses.dataclass
+class BatchSamplingParams:
+    """The fields of `SamplingParams`, each a scalar (every lane) or a list (one entry per lane)."""
+
+    temperature: Any = None
+    top_k: Any = None
+    top_p: Any = None
+    min_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    seed: Any = None
+    logprobs: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    min_tokens: Any = None
+    stop_token_ids: Any = None
+    max_tokens: Any = None
+    n: Any = None
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[SamplingParams]) -> "BatchSamplingParams":
+        """One lane per request, every field a list."""
+        for request in requests:
+            if not isinstance(request, SamplingParams):
+                raise InvalidSamplingParams("requests", request, "a sequence of SamplingParams")
+        columns = {name: [getattr(r, name) for r in requests] for name in FIELDS}
+        columns["logit_bias"] = [None if b is None else dict(b) for b in columns["logit_bias"]]
+        return cls(**columns)
+
+    def per_lane_fields(self) -> list[str]:
+        """The fields given as one entry per lane."""
+        return [name for name in FIELDS if _is_per_lane(name, getattr(self, name))]
+
+    def num_lanes(self) -> int | None:
+        """The common length of the per-lane lists; None when every field is a scalar.
+
+        Raises `InvalidSamplingParams` when two lists have different lengths.
+        """
+        lanes: int | None = None
+        for name in self.per_lane_fields():
+            length = len(getattr(self, name))
+            if lanes is None:
+                lanes = length
+            elif length != lanes:
+                raise InvalidSamplingParams(name, f"{length} lanes", f"{lanes} lanes, like the other lists")
+        return lanes
+
+    def lane(self, index: int) -> dict[str, Any]:
+        """The raw field values of lane `index` (scalars replicated; None = the field's default)."""
+        per_lane = set(self.per_lane_fields())
+        return {name: (getattr(self, name)[index] if name in per_lane else getattr(self, name)) for name in FIELDS}
+
+    def to_requests(self, num_lanes: int | None = None) -> list[SamplingParams]:
+        """Validated `SamplingParams`, one per lane. `num_lanes` is needed when every field is a
+        scalar and, when given, must match the lists' length."""
+        lanes = self.num_lanes()
+        if num_lanes is not None and lanes is not None and num_lanes != lanes:
+            raise InvalidSamplingParams("num_lanes", num_lanes, f"{lanes}, the length of the per-lane lists")
+        lanes = lanes if lanes is not None else num_lanes
+        if lanes is None:
+            raise InvalidSamplingParams("num_lanes", None, "an int when every field is a scalar")
+        return [_make_params(self.lane(b)) for b in range(lanes)]
+
+
+def _make_params(values: dict[str, Any]) -> SamplingParams:
+    kwargs = {name: value for name, value in values.items() if value is not None}
+    for name in SEQUENCE_FIELDS:
+        if name in kwargs:
+            kwargs[name] = tuple(kwargs[name])
+    return SamplingParams(**kwargs)
+
+
+def as_batch_params(params: Any) -> BatchSamplingParams:
+    """A `BatchSamplingParams` from itself or from a duck-typed object with the same attributes."""
+    if isinstance(params, BatchSamplingParams):
+        return params
+    if isinstance(params, SamplingParams):
+        return BatchSamplingParams(**{name: getattr(params, name) for name in FIELDS})
+    if all(hasattr(params, name) for name in ("temperature", "top_k", "top_p")):
+        return BatchSamplingParams(**{name: getattr(params, name, None) for name in FIELDS})
+    raise InvalidSamplingParams("params", params, "a BatchSamplingParams (or an object with its fields)")
+
+
+def _replace(params: BatchSamplingParams, **columns: Any) -> BatchSamplingParams:
+    return dataclasses.replace(params, **columns)
+
+
+def _format_value(name: str, value: Any, vocab_size: int | None) -> Any:
+    """The neutral encoding of one field value: None -> default, -1 sentinels -> off, clamps."""
+    if value is None:
+        return _DEFAULTS[name]
+    if name in SEQUENCE_FIELDS:
+        return tuple(value)
+    if name in MAPPING_FIELDS:
+        return dict(value) or None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value  # left for SamplingParams to reject with the field's allowed range
+    if isinstance(value, float) and math.isnan(value):
+        raise InvalidSamplingParams(name, value, "a number, not NaN")
+    if name == "top_k":
+        if value < 0 or (vocab_size is not None and value >= vocab_size):
+            return 0  # -1 (vLLM's off) and any k >= V keep every id
+        return value
+    if name == "seed" and value == -1:
+        return None
+    if name == "top_p" and value <= 0.0:
+        raise InvalidSamplingParams("top_p", value, "a float in (0, 1] (values above 1 are clamped to 1)")
+    if name in _CLAMPS:
+        low, high = _CLAMPS[name]
+        return float(min(max(value, low), high))
+    if name in ("temperature", "repetition_penalty"):
+        return float(value)
+    return value
+
+
+def _format_lane(values: dict[str, Any], vocab_size: int | None) -> dict[str, Any]:
+    lane = {name: _format_value(name, values[name], vocab_size) for name in FIELDS}
+    if isinstance(lane["temperature"], float) and lane["temperature"] == 0.0:
+        # greedy ignores min-p, top-k and top-p: one encoding for every greedy lane
+        lane.update(top_k=0, top_p=1.0, min_p=0.0)
+    return lane
+
+
+def format_sampling_params(params: Any, max_batch_size: int, *, vocab_size: int | None = None) -> BatchSamplingParams:
+    """Pad to `max_batch_size` lanes, every field a list, in the encoding the sampler uses.
+
+    None -> the field's default; top_k -1 (or >= vocab_size, when given) -> 0 (off); seed -1 -> None;
+    top_p and min_p clamped to [0, 1] (top_p 0 is still an error), presence and frequency to [-2, 2];
+    greedy lanes (temperature 0) get top_k 0, top_p 1, min_p 0 (they ignore them); padding lanes are
+    greedy with every other field at its default. Idempotent. Every lane is validated.
+    """
+    check_int("max_batch_size", max_batch_size, 1)
+    batch = as_batch_params(params)
+    lanes = batch.num_lanes()
+    lanes = max_batch_size if lanes is None else lanes
+    if lanes > max_batch_size:
+        raise InvalidSamplingParams("params", f"{lanes} lanes", f"at most max_batch_size={max_batch_size} lanes")
+    rows = []
+    for b in range(max_batch_size):
+        if b < lanes:
+            row = _format_lane(batch.lane(b), vocab_size)
+        else:
+            row = dict(PADDING_LANE)
+        _make_params(row)  # validate now, naming the field
+        rows.append(row)
+    return BatchSamplingParams(**{name: [row[name] for row in rows] for name in FIELDS})
+
+
+def broadcast_sampling_params(params: Any, idx: int, slot_len: int) -> BatchSamplingParams:
+    """Lane `idx` of `params` repeated over `slot_len` lanes (every field a list)."""
+    batch = as_batch_params(params)
+    lanes = batch.num_lanes()
+    check_int("idx", idx, 0, None if lanes is None else lanes - 1, allowed=f"a lane in [0, {lanes})")
+    check_int("slot_len", slot_len, 1)
+    lane = batch.lane(idx)
+    return BatchSamplingParams(**{name: [lane[name]] * slot_len for name in FIELDS})
+
+
+def chunk_sampling_params(params: Any, sampling_dp: int) -> list[BatchSamplingParams]:
+    """Split into `sampling_dp` groups: each list into equal consecutive parts, scalars replicated."""
+    batch = as_batch_params(params)
+    check_int("sampling_dp", sampling_dp, 1)
+    lanes = batch.num_lanes()
+    if lanes is None:
+        return [_replace(batch) for _ in range(sampling_dp)]
+    if lanes % sampling_dp:
+        raise InvalidSamplingParams("params", f"{lanes} lanes", f"a multiple of sampling_dp={sampling_dp}")
+    size = lanes // sampling_dp
+    return [slice_sampling_params(batch, g * size, (g + 1) * size) for g in range(sampling_dp)]
+
+
+def slice_sampling_params(params: Any, start: int, stop: int) -> BatchSamplingParams:
+    """Lanes [start, stop) of every list; scalars kept."""
+    batch = as_batch_params(params)
+    lanes = batch.num_lanes()
+    for name, value in (("start", start), ("stop", stop)):
+        check_int(name, value, 0, lanes, allowed=f"an int in [0, {lanes if lanes is not None else 'inf'}]")
+    if stop < start:
+        raise InvalidSamplingParams("stop", stop, f"an int >= start={start}")
+    return _replace(batch, **{name: getattr(batch, name)[start:stop] for name in batch.per_lane_fields()})
+
+
+def scatter_sampling_params_to_slots(params: Any, empty_slots: Sequence[int], slot_len: int, *,
+                                     base: Any = None) -> BatchSamplingParams:
+    """Request-ordered lanes placed at their slots: lane i goes to slot `empty_slots[i]`.
+
+    Every other slot takes its lane of `base` (e.g. the cached full-batch parameters, so live
+    decodes keep theirs) or, without `base`, the padding lane. Returns `slot_len` lanes.
+    """
+    batch = as_batch_params(params)
+    check_int("slot_len", slot_len, 1)
+    slots = check_slots("empty_slots", empty_slots, slot_len)
+    lanes = batch.num_lanes()
+    if lanes is not None and lanes != len(slots):
+        raise InvalidSamplingParams("params", f"{lanes} lanes", f"one lane per empty slot ({len(slots)})")
+    if base is not None:
+        base_batch = as_batch_params(base)
+        if base_batch.num_lanes() not in (None, slot_len):
+            raise InvalidSamplingParams("base", f"{base_batch.num_lanes()} lanes", f"{slot_len} lanes")
+        base_fields = set(base_batch.per_lane_fields())
+        columns = {name: (list(getattr(base_batch, name)) if name in base_fields
+                          else [getattr(base_batch, name)] * slot_len) for name in FIELDS}
+    else:
+        columns = {name: [PADDING_LANE[name]] * slot_len for name in FIELDS}
+    for i, slot in enumerate(slots):
+        for name, value in batch.lane(i).items():
+            columns[name][slot] = value
+    return BatchSamplingParams(**columns)

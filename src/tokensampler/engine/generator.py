@@ -1,0 +1,394 @@
+"""`SamplingGenerator`: an engine's sampler slots, kept right through the decode-update contract.
+
+1. `apply_prefill_state` admits requests into the listed slots only; every other slot keeps its state.
+2. `apply_decode_state` consumes `slot_remap` first, exactly once (new slot i <- old slot remap[i]);
+   then `reload_sampling_params` uploads parameters and `reset_sampling_state` rebuilds the penalty
+   history (and positions, when given). Neither advances a seed or a position.
+3. Host sampling: seeds and positions follow a remap at once, and the device parameter and penalty
+   buffers are marked stale; the next device decode must carry both flags or `StaleSamplingState`.
+4. `sample` samples every lane; only the active slots count their token and advance, once each.
+5. Bad input raises a `ValueError` (`InvalidSamplingParams`) before any state changes.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any, Sequence
+
+import torch
+
+from ..core import rng
+from ..core.checks import check_int, check_slots
+from ..core.constants import POSITION_LIMIT
+from ..core.errors import InvalidSamplingParams, StaleSamplingState, TraceMismatch
+from ..core.output import LogprobsOutput, SamplerOutput
+from ..core.params import SamplingParams, check_params_for_vocab
+from ..sampler import Sampler
+from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
+from .inputs import positions_by_slot, token_rows
+from .seeds import SeedManager, check_slot_remap, check_streams, rank_local_slot_remap
+from .tracing import StepTracer, TraceKey
+
+__all__ = ["BatchSamplingParams", "NEUTRAL_PARAMS", "SamplingGenerator", "SeedManager", "StaleSamplingState",
+           "TraceKey", "TraceMismatch", "rank_local_slot_remap"]
+
+SAMPLING_MODES = ("device", "host")
+# What an empty slot holds: the greedy row, no history, never counted.
+NEUTRAL_PARAMS = SamplingParams(temperature=0.0)
+
+
+class SamplingGenerator:
+    """A `Sampler` over `max_batch_size * sampling_dp` lanes plus the `SeedManager` that owns their
+    seeds, streams and positions; see the module docstring for the contract.
+
+    logprobs_mode, max_logprobs, eos_token_ids: passed to the `Sampler`.
+    group: a torch.distributed group (or `parallel.Exchange`) splitting the vocabulary: every
+      rank makes the same calls, passing its logits slice `[B, Vp / world]` to `sample`, and gets
+      the same tokens; a call whose checks fail on any rank raises on every rank before any state
+      changes (docs/distributed.md).
+    seed_source: draws seeds for unseeded requests (default: `secrets`; with a group, a stream
+      seeded by rank 0, the same on every rank; a custom source must give every rank the same seeds).
+    """
+
+    def __init__(self, vocab_size: int, *, max_batch_size: int, sampling_dp: int = 1,
+                 padded_vocab_size: int | None = None, device: torch.device | str, group: Any = None,
+                 logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20, eos_token_ids: Sequence[int] = (),
+                 seed_source: Any = None) -> None:
+        check_int("max_batch_size", max_batch_size, 1)
+        check_int("sampling_dp", sampling_dp, 1)
+        self.max_batch_size = max_batch_size
+        self.sampling_dp = sampling_dp
+        self.num_lanes = max_batch_size * sampling_dp
+        self.sampler = Sampler(vocab_size, max_slots=self.num_lanes, device=device,
+                               padded_vocab_size=padded_vocab_size, logprobs_mode=logprobs_mode,
+                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids, group=group)
+        self.vocab_size = vocab_size
+        self.device = self.sampler.device
+        self.agreement = self.sampler.agreement  # local, or the ranks of a vocabulary split
+        # the ranks agree on the layout before any lane is admitted
+        self.agreement.agree(None, "SamplingGenerator", lambda: (
+            vocab_size, max_batch_size, sampling_dp, self.sampler.padded_vocab_size, logprobs_mode, max_logprobs,
+            list(eos_token_ids), seed_source is None))
+        if self.agreement.shared and seed_source is None:  # every rank draws the same seeds
+            seed_source = functools.partial(random.Random(self.agreement.shared_random_bits()).getrandbits, 63)
+        self.seed_manager = SeedManager(self.num_lanes, seed_source=seed_source)
+        n = self.num_lanes
+        for slot in range(n):  # every lane always holds a row: empty ones the neutral greedy row
+            self.sampler.add_request(slot, NEUTRAL_PARAMS, ())
+        self._occupied = [False] * n
+        self._params: list[SamplingParams | None] = [None] * n  # authoritative host copy, by slot
+        self._stale = [False] * n          # device params / counts / noise of the slot out of date
+        self._prompt_stale = [False] * n   # device prompt row belongs to another request (host remap)
+        self.tracer = StepTracer(self.sampler)
+        self._force_argmax: bool | None = None
+        self.last_output: SamplerOutput | None = None
+
+    # ------------------------------------------------------------ queries
+    def occupied_slots(self) -> list[int]:
+        return [s for s in range(self.num_lanes) if self._occupied[s]]
+
+    def stale_slots(self) -> list[int]:
+        """Slots whose device state must be rebuilt (reload + reset) before device sampling."""
+        return [s for s in range(self.num_lanes) if self._stale[s]]
+
+    def seed_of(self, slot: int) -> int:
+        self._check_occupied("slot", [slot])
+        return self.seed_manager.seeds[slot]
+
+    def position_of(self, slot: int) -> int:
+        self._check_occupied("slot", [slot])
+        return self.seed_manager.positions[slot]
+
+    def stream_of(self, slot: int) -> int:
+        self._check_occupied("slot", [slot])
+        return self.seed_manager.streams[slot]
+
+    def params_of(self, slot: int) -> SamplingParams:
+        self._check_occupied("slot", [slot])
+        return self._params[slot]
+
+    def verify_device_state(self) -> None:
+        """Check (a host sync: for tests and debugging) that every fresh occupied slot's device
+        seed, position, stream and parameters equal the host's. Raises AssertionError otherwise."""
+        st = self.sampler.state
+        for slot in self.occupied_slots():
+            if self._stale[slot]:
+                continue
+            seed, position, stream = self.seed_manager.snapshot(slot)
+            device = (int(st.seed[slot]), int(st.position[slot]), int(st.stream[slot]))
+            if device != (rng.seed_to_int64(seed), position, stream) or st.params[slot] != self._params[slot]:
+                raise AssertionError(f"slot {slot}: device {device, st.params[slot]} != host "
+                                     f"{(seed, position, stream), self._params[slot]}")
+
+    # ------------------------------------------------------------ prefill
+    def apply_prefill_state(self, *, sampling_params: Any, prompt_tokens: Any, empty_slots: Sequence[int],
+                            streams: Sequence[int] | None = None) -> list[int]:
+        """Admit one request per entry of `empty_slots` (request order), replacing what they held.
+
+        sampling_params: one lane per slot (or scalars); prompt_tokens: `[len(empty_slots), S]`,
+        -1 = padding. Each slot's position becomes its prompt length; streams (default 0) are the
+        noise streams (choice i of an n > 1 request). Returns the effective seeds (drawn for the
+        unseeded). Every other slot keeps its parameters, history and seed.
+        """
+        def check() -> tuple:
+            slots = self._check_slots("empty_slots", empty_slots)
+            if not slots:
+                return slots, [], None, [], streams
+            batch = as_batch_params(sampling_params)
+            if batch.num_lanes() not in (None, len(slots)):
+                raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
+                                            f"one lane per empty slot ({len(slots)})")
+            requests = self._requests(format_sampling_params(batch, len(slots), vocab_size=self.vocab_size))
+            prompts = token_rows("prompt_tokens", prompt_tokens, len(slots), self.vocab_size)
+            lengths = (prompts >= 0).sum(dim=1).tolist()
+            if max(lengths) >= POSITION_LIMIT:
+                raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
+            return slots, requests, prompts, lengths, None if streams is None else check_streams(streams, len(slots))
+
+        slots, requests, prompts, lengths, streams = self.agreement.check("apply_prefill_state", check)
+        if not slots:
+            return []
+        # every check is done (on every rank): change state
+        seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams)
+        self.seed_manager.align_seed_counters_to_positions(slots, lengths)
+        for slot, request in zip(slots, requests):
+            self._params[slot] = request
+            self._occupied[slot] = True
+            self._stale[slot] = self._prompt_stale[slot] = False
+            self._write_device_params(slot)
+        self.sampler.reset_history(slots, prompts.to(self.device), None)
+        self._upload_noise(slots)
+        return seeds
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Empty `slots` (idempotent): they are sampled greedily and never counted until re-admitted."""
+        slot_list = self.agreement.check("release_slots", lambda: self._check_slots("slots", slots))
+        for slot in slot_list:
+            self._occupied[slot] = False
+            self._params[slot] = None
+            self.seed_manager.release_slot(slot)
+            self._write_device_params(slot)
+
+    # ------------------------------------------------------------ decode
+    def apply_decode_state(self, chunks: Sequence[Any] | BatchSamplingParams, *, reload_sampling_params: bool,
+                           reset_sampling_state: bool, prompt_tokens: Any = None, output_tokens: Any = None,
+                           positions: Sequence[int | None] | torch.Tensor | None = None,
+                           slot_remap: Sequence[int] | torch.Tensor | None = None,
+                           sampling_mode: str = "device") -> None:
+        """The sampling half of one decode step's update; see the module docstring.
+
+        chunks: one `BatchSamplingParams` per sampling group, in slot order; a group's lane b is slot
+        g * max_batch_size + b. Lanes past a short list keep their parameters; a scalar applies to
+        every occupied lane. Values on empty slots are ignored (empty slots are admitted by prefill).
+        prompt_tokens, output_tokens: `[max_batch_size * sampling_dp, S]`, -1 = padding, by slot.
+        positions: the next token's position of each slot (None: keep the slot's counter).
+        """
+        n = self.num_lanes
+
+        def check() -> tuple:
+            for name, flag in (("reload_sampling_params", reload_sampling_params),
+                               ("reset_sampling_state", reset_sampling_state)):
+                if not isinstance(flag, bool):
+                    raise InvalidSamplingParams(name, flag, "True or False (a required command)")
+            if sampling_mode not in SAMPLING_MODES:
+                raise InvalidSamplingParams("sampling_mode", sampling_mode, f"one of {SAMPLING_MODES}")
+            remap = None if slot_remap is None else check_slot_remap(slot_remap, n)
+            if remap == list(range(n)):
+                remap = None
+            if not reset_sampling_state:
+                for name, value in (("prompt_tokens", prompt_tokens), ("output_tokens", output_tokens),
+                                    ("positions", positions)):
+                    if value is not None:
+                        raise InvalidSamplingParams(name, "given", "None unless reset_sampling_state=True")
+            full_rebuild = reload_sampling_params and reset_sampling_state
+            if sampling_mode == "device" and any(self._stale) and not full_rebuild:
+                raise StaleSamplingState(
+                    "reload_sampling_params/reset_sampling_state", (reload_sampling_params, reset_sampling_state),
+                    f"both True: slots {self.stale_slots()[:8]}... are stale after host sampling or a host-mode remap")
+            occupied = [self._occupied[j] for j in remap] if remap is not None else list(self._occupied)
+            given: dict[int, SamplingParams] = {}
+            if reload_sampling_params or reset_sampling_state:
+                given = self._chunk_lanes(chunks, occupied)
+            live = [s for s in range(n) if occupied[s]]
+            prompts = outputs = None
+            new_positions: dict[int, int] = {}
+            if reset_sampling_state:
+                if prompt_tokens is not None:
+                    prompts = token_rows("prompt_tokens", prompt_tokens, n, self.vocab_size)
+                if output_tokens is not None:
+                    outputs = token_rows("output_tokens", output_tokens, n, self.vocab_size)
+                if positions is not None:
+                    new_positions = positions_by_slot(positions, live, n)
+                if sampling_mode == "device" and prompts is None and live:
+                    prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
+                    if any(prompt_stale[s] for s in live):
+                        raise StaleSamplingState("prompt_tokens", None,
+                                                 "the prompts of every slot: a host-mode remap left the device "
+                                                 "prompt history in the old slots")
+            return remap, full_rebuild, given, live, prompts, outputs, new_positions
+
+        remap, full_rebuild, given, live, prompts, outputs, new_positions = self.agreement.check(
+            "apply_decode_state", check, (reload_sampling_params, reset_sampling_state, sampling_mode))
+        # every check is done (on every rank): change state
+        if remap is not None:
+            self._apply_remap(remap, sampling_mode)
+        if reload_sampling_params:
+            for slot, request in given.items():
+                self._params[slot] = request
+            for slot in range(n):
+                self._write_device_params(slot)
+        if reset_sampling_state:
+            by_slot: list[int | None] = [None] * n
+            for slot, request in given.items():
+                by_slot[slot] = request.seed
+            self.seed_manager.reset_seed_from_slots(by_slot, list(given))
+            self.seed_manager.align_seed_counters_to_positions(list(new_positions), list(new_positions.values()))
+            if live:
+                index = torch.tensor(live, dtype=torch.int64)
+                self.sampler.reset_history(live, None if prompts is None else prompts[index].to(self.device),
+                                           None if outputs is None else outputs[index].to(self.device))
+                self._upload_noise(live)
+            if prompts is not None:
+                for slot in live:
+                    self._prompt_stale[slot] = False
+        if sampling_mode == "host":
+            self._stale = [True] * n
+        elif full_rebuild:
+            self._stale = [False] * n
+
+    def _apply_remap(self, remap: list[int], sampling_mode: str) -> None:
+        self.seed_manager.apply_slot_remap(remap)
+        self._occupied = [self._occupied[j] for j in remap]
+        self._params = [self._params[j] for j in remap]
+        self._prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
+        if sampling_mode == "device":
+            self._stale = [self._stale[j] for j in remap]
+            dst = torch.arange(self.num_lanes, dtype=torch.int64, device=self.device)
+            self.sampler.state.move(dst, torch.tensor(remap, dtype=torch.int64, device=self.device))
+        else:  # the device rows stay where they are, now under other requests: rebuilt before use
+            self._stale = [True] * self.num_lanes
+            for slot in range(self.num_lanes):
+                if not self._occupied[slot]:  # an empty lane stays the neutral greedy row
+                    self._write_device_params(slot)
+
+    @staticmethod
+    def _remapped(prompt_stale: list[bool], remap: list[int] | None, sampling_mode: str) -> list[bool]:
+        """Prompt-row staleness after `remap`: device mode moves the rows with their requests;
+        host mode leaves them, so every slot that changed request gets a stale row."""
+        if remap is None:
+            return list(prompt_stale)
+        if sampling_mode == "device":
+            return [prompt_stale[j] for j in remap]
+        return [prompt_stale[i] or remap[i] != i for i in range(len(remap))]
+
+    # ------------------------------------------------------------ sampling
+    def sample(self, logits: torch.Tensor, *, active_slots: Sequence[int] | None = None,
+               enable_trace: bool = False) -> tuple[torch.Tensor, LogprobsOutput | None]:
+        """Sample every lane of `logits` (`[B, Vp]`, B <= max_batch_size * sampling_dp; row b is
+        slot b). Only `active_slots` (default: every occupied slot < B) count their token and
+        advance their position; the other rows return a valid id and change nothing.
+
+        enable_trace: capture the step once per `TraceKey` as a CUDA graph and replay it (on the
+        CPU the bookkeeping runs and the step is eager). A traced step must always get the same
+        logits tensor (write the new logits into it); its outputs are overwritten by the next replay.
+        Returns (token ids int64 [B], logprobs or None); `last_output.valid` flags rows with no id left.
+        """
+        def check() -> tuple[int, list[int]]:
+            batch = self._check_logits(logits)
+            if active_slots is None:
+                active = [s for s in range(batch) if self._occupied[s]]
+            else:
+                active = self._check_occupied("active_slots", active_slots)
+                for slot in active:
+                    if slot >= batch:
+                        raise InvalidSamplingParams("active_slots", slot,
+                                                    f"slots below the batch of logits ({batch})")
+            stale = [s for s in active if self._stale[s]]
+            if stale:
+                raise StaleSamplingState("active_slots", stale, "slots rebuilt by apply_decode_state(reload_sampling_"
+                                         "params=True, reset_sampling_state=True) after host sampling")
+            force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
+            if enable_trace and self.agreement.shared and force_argmax == self._force_argmax:  # a flip drops all
+                self.tracer.check(logits, force_argmax)
+            return batch, active
+
+        batch, active = self.agreement.check("sample", check, enable_trace)
+        record = torch.zeros(batch, dtype=torch.bool)
+        record[active] = True
+        force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
+        if force_argmax != self._force_argmax:
+            self.clear_traces()
+            self._force_argmax = force_argmax
+        if enable_trace:
+            out = self.tracer.step(logits, record, force_argmax)
+        else:
+            out = self.sampler.sample(logits, record=record.to(self.device))
+        self.seed_manager.get_new_values(active)  # mirrors the device advance, once per token
+        self.last_output = out
+        return out.token_ids, out.logprobs
+
+    def trace_keys(self) -> list[TraceKey]:
+        """The keys of the steps captured now."""
+        return self.tracer.keys()
+
+    def clear_traces(self) -> None:
+        """Drop every captured step (the next traced call captures again)."""
+        self.tracer.clear()
+
+    @property
+    def trace_captures(self) -> int:
+        """How many steps were captured (or, off CUDA, recorded for eager replay) so far."""
+        return self.tracer.captures
+
+    # ------------------------------------------------------------ helpers
+    def _write_device_params(self, slot: int) -> None:
+        """Make the device row of `slot` hold the host parameters (neutral when empty)."""
+        target = self._params[slot] if self._occupied[slot] else NEUTRAL_PARAMS
+        if self.sampler.state.params[slot] != target:
+            self.sampler.set_params(slot, target)
+
+    def _upload_noise(self, slots: list[int]) -> None:
+        sm = self.seed_manager
+        self.sampler.set_noise(slots, [sm.seeds[s] for s in slots], [sm.positions[s] for s in slots],
+                               [sm.streams[s] for s in slots])
+
+    def _requests(self, formatted: BatchSamplingParams) -> list[SamplingParams]:
+        requests = formatted.to_requests()
+        for request in requests:
+            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs)
+        return requests
+
+    def _chunk_lanes(self, chunks: Any, occupied: list[bool]) -> dict[int, SamplingParams]:
+        """slot -> parameters for every occupied slot a chunk lane covers (validated)."""
+        chunk_list = [chunks] if isinstance(chunks, BatchSamplingParams) else list(chunks)
+        if len(chunk_list) != self.sampling_dp:
+            raise InvalidSamplingParams("chunks", f"{len(chunk_list)} chunks",
+                                        f"one per sampling group ({self.sampling_dp})")
+        given = {}
+        for group, chunk in enumerate(chunk_list):
+            batch = as_batch_params(chunk)
+            lanes = batch.num_lanes()
+            requests = self._requests(format_sampling_params(batch, self.max_batch_size, vocab_size=self.vocab_size))
+            for lane in range(self.max_batch_size if lanes is None else lanes):
+                slot = group * self.max_batch_size + lane
+                if occupied[slot]:
+                    given[slot] = requests[lane]
+        return given
+
+    def _check_slots(self, name: str, slots: Sequence[int]) -> list[int]:
+        return check_slots(name, slots, self.num_lanes)
+
+    def _check_occupied(self, name: str, slots: Sequence[int]) -> list[int]:
+        slot_list = self._check_slots(name, slots)
+        for slot in slot_list:
+            if not self._occupied[slot]:
+                raise InvalidSamplingParams(name, slot, "occupied slots (admitted by apply_prefill_state)")
+        return slot_list
+
+    def _check_logits(self, logits: torch.Tensor) -> int:
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= self.num_lanes:
+            width = self.sampler.layout.columns
+            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
+                                        f"a tensor [B, {width}] with 1 <= B <= {self.num_lanes}")
+        return logits.shape[0]

@@ -1,0 +1,44 @@
+"""Checks of the `SamplingGenerator`'s slot, history and position arguments (host side, before
+any state changes): each returns the argument in the form the generator uses, or raises
+`InvalidSamplingParams` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.checks import check_int, int_list
+from ..core.constants import POSITION_LIMIT
+from ..core.errors import InvalidSamplingParams
+
+
+def token_rows(name: str, value: Any, rows: int, vocab_size: int) -> torch.Tensor:
+    """`[rows, S]` int64 ids on the CPU, -1 = padding, each checked against the vocabulary."""
+    try:
+        ids = value.detach().to("cpu") if isinstance(value, torch.Tensor) else torch.tensor(value)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise InvalidSamplingParams(name, type(value).__name__, f"a [{rows}, S] tensor of ids") from error
+    if ids.dim() != 2 or ids.shape[0] != rows or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise InvalidSamplingParams(name, tuple(ids.shape), f"an integer tensor [{rows}, S], -1 = padding")
+    ids = ids.to(torch.int64)
+    if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= vocab_size):
+        bad = ids[(ids < -1) | (ids >= vocab_size)][0].item()
+        raise InvalidSamplingParams(name, bad, f"token ids in [0, {vocab_size}) or -1 (padding)")
+    return ids
+
+
+def positions_by_slot(positions: Any, live: list[int], num_lanes: int) -> dict[int, int]:
+    """slot -> new position for the `live` slots whose entry of `positions` (one per lane) is not None."""
+    values = int_list("positions", positions)
+    if len(values) != num_lanes:
+        raise InvalidSamplingParams("positions", f"{len(values)} entries", f"one per slot ({num_lanes})")
+    out = {}
+    for slot in live:
+        value = values[slot]
+        if value is None:
+            continue
+        check_int(f"positions[{slot}]", value, 0, POSITION_LIMIT - 1, allowed=f"None or an int in [0, {POSITION_LIMIT})")
+        out[slot] = value
+    return out

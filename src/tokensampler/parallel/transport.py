@@ -1,0 +1,65 @@
+"""The one collective a vocabulary split needs: `Exchange` (an all-gather of a small tensor, with byte
+counters) and `TorchExchange`, its form over a torch.distributed process group."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..core.errors import InvalidEnvironment
+
+
+class Exchange:
+    """The one collective a split step needs (all-gather of a small tensor), with byte counters.
+
+    `bytes_sent` counts what this rank contributes, `bytes_received` what it gets from the others
+    (payload only, no transport overhead); `calls` counts collectives.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+
+    def __init__(self) -> None:
+        self.reset_counters()
+
+    def reset_counters(self) -> None:
+        self.calls = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[*shape] on every rank -> [world_size, *shape], rank order, identical on every rank."""
+        nbytes = tensor.numel() * tensor.element_size()
+        self.calls += 1
+        self.bytes_sent += nbytes
+        self.bytes_received += nbytes * (self.world_size - 1)
+        return self._all_gather(tensor.contiguous())
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchExchange(Exchange):
+    """`Exchange` over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, group: Any) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise InvalidEnvironment("group", group, "a group of an initialised torch.distributed")
+        super().__init__()
+        self._dist = dist
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        self._dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)
+
+
+def as_exchange(group: Any) -> Exchange:
+    """A process group, or an `Exchange` (custom transports, tests), as an `Exchange`."""
+    return group if isinstance(group, Exchange) else TorchExchange(group)

@@ -1,0 +1,188 @@
+"""`SamplerState`: per-slot sampler state on the device, on a vocabulary layout.
+
+One row per slot. Parameter columns are written when a request is admitted and read by index on
+every step; the penalty history is a prompt mask and output counts per slot over the ids the
+layout holds, updated in O(B) per step by the sampled tokens. Optional dense columns (logit bias,
+allowed ids, stop ids) are allocated on first use. A host mirror (`params`, `seeds`) lets the
+sampler plan a step without reading the device. Every token id given here is global; the layout
+translates it to this rank's columns (a vocabulary split keeps only its slice).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..core import rng
+from ..core.params import SamplingParams
+from .layout import VocabLayout
+
+
+class SamplerState:
+    """Device tensors indexed by slot over `layout.width` ids; `move` relocates whole slots."""
+
+    def __init__(self, max_slots: int, layout: VocabLayout, device: torch.device) -> None:
+        self.max_slots = max_slots
+        self.layout = layout
+        self.width = layout.width
+        self.device = device
+
+        def column(value: float | int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.full((max_slots,), value, dtype=dtype, device=device)
+
+        self.temperature = column(1.0, torch.float32)
+        self.top_k = column(0, torch.int64)
+        self.top_p = column(1.0, torch.float64)  # compared with float64 masses
+        self.min_p = column(0.0, torch.float32)
+        self.presence = column(0.0, torch.float32)
+        self.frequency = column(0.0, torch.float32)
+        self.repetition = column(1.0, torch.float32)
+        self.min_tokens = column(0, torch.int64)
+        self.seed = column(0, torch.int64)
+        self.position = column(0, torch.int64)
+        self.stream = column(0, torch.int64)
+        self.output_len = column(0, torch.int64)
+        self.prompt_mask = torch.zeros((max_slots, self.width), dtype=torch.bool, device=device)
+        self.output_counts = torch.zeros((max_slots, self.width), dtype=torch.int32, device=device)
+        self.logit_bias: torch.Tensor | None = None
+        self.allowed_mask: torch.Tensor | None = None
+        self.stop_mask: torch.Tensor | None = None
+        # host mirror: what the sampler needs to plan a step without a device read
+        self.params: list[SamplingParams | None] = [None] * max_slots
+        self.seeds: list[int | None] = [None] * max_slots
+
+    def slot_tensors(self) -> list[torch.Tensor]:
+        tensors = [self.temperature, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
+                   self.repetition, self.min_tokens, self.seed, self.position, self.stream, self.output_len,
+                   self.prompt_mask, self.output_counts]
+        return tensors + [t for t in (self.logit_bias, self.allowed_mask, self.stop_mask) if t is not None]
+
+    def _dense(self, name: str, dtype: torch.dtype, fill: float | bool) -> torch.Tensor:
+        tensor = getattr(self, name)
+        if tensor is None:
+            tensor = torch.full((self.max_slots, self.width), fill, dtype=dtype, device=self.device)
+            setattr(self, name, tensor)
+        return tensor
+
+    def admit(self, slot: int, params: SamplingParams, seed: int, position: int, stream: int,
+              prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
+              eos_token_ids: Sequence[int]) -> None:
+        """Write every column of `slot` (ids already checked against the vocabulary)."""
+        self.write_params(slot, params, eos_token_ids)
+        self.write_request(slot, seed, position, stream, prompt_token_ids, output_token_ids)
+
+    def write_request(self, slot: int, seed: int, position: int, stream: int, prompt_token_ids: Sequence[int],
+                      output_token_ids: Sequence[int]) -> None:
+        """Write the slot's noise coordinates and history (not its parameters)."""
+        values = {"seed": rng.seed_to_int64(seed), "position": position, "stream": stream,
+                  "output_len": len(output_token_ids)}
+        for name, value in values.items():
+            getattr(self, name)[slot] = value
+        self.set_history(slot, prompt_token_ids, output_token_ids)
+        self.seeds[slot] = seed
+
+    def write_params(self, slot: int, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
+        """Write the parameter columns of `slot` (not its seed, position or history)."""
+        values = {
+            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+            "min_p": params.min_p, "presence": params.presence_penalty,
+            "frequency": params.frequency_penalty, "repetition": params.repetition_penalty,
+            "min_tokens": params.min_tokens,
+        }
+        for name, value in values.items():
+            getattr(self, name)[slot] = value
+        layout = self.layout
+        if params.logit_bias or self.logit_bias is not None:
+            bias = self._dense("logit_bias", torch.float32, 0.0)
+            bias[slot] = 0.0
+            mine = {t - layout.offset: v for t, v in (params.logit_bias or {}).items() if layout.holds(t)}
+            if mine:
+                bias[slot, list(mine)] = torch.tensor(list(mine.values()), dtype=torch.float32, device=self.device)
+        if params.allowed_token_ids is not None or self.allowed_mask is not None:
+            allowed = self._dense("allowed_mask", torch.bool, True)
+            allowed[slot] = params.allowed_token_ids is None
+            if params.allowed_token_ids is not None:
+                allowed[slot, layout.local(params.allowed_token_ids)] = True
+        stop_ids = list(params.stop_token_ids) + list(eos_token_ids)
+        if (params.min_tokens > 0 and stop_ids) or self.stop_mask is not None:
+            stop = self._dense("stop_mask", torch.bool, False)
+            stop[slot] = False
+            if params.min_tokens > 0:
+                stop[slot, layout.local(stop_ids)] = True
+        self.params[slot] = params
+
+    def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
+        """Rebuild the slot's prompt mask and output counts from global token lists."""
+        prompt = self.layout.local(prompt_token_ids)
+        outputs = self.layout.local(output_token_ids)
+        self.prompt_mask[slot] = False
+        if prompt:
+            self.prompt_mask[slot, torch.as_tensor(prompt, dtype=torch.int64, device=self.device)] = True
+        counts = torch.bincount(torch.as_tensor(outputs, dtype=torch.int64), minlength=self.width)
+        self.output_counts[slot] = counts.to(device=self.device, dtype=torch.int32)
+
+    def release(self, slot: int) -> None:
+        self.params[slot] = None
+        self.seeds[slot] = None
+
+    def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
+        """State of `src_slots[i]` goes to `dst_slots[i]` for all i at once (a gather, then a scatter)."""
+        for tensor in self.slot_tensors():
+            tensor[dst_slots] = tensor[src_slots]
+        src = src_slots.tolist()
+        dst = dst_slots.tolist()
+        params = [self.params[s] for s in src]
+        seeds = [self.seeds[s] for s in src]
+        for d, p, s in zip(dst, params, seeds):
+            self.params[d] = p
+            self.seeds[d] = s
+
+    def record_tokens(self, slots: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Step 13: count each sampled token (global id) into its slot's history, on the rank that
+        holds it, and advance the slot's position and output length: O(B), no host sync.
+
+        mask: optional bool [B]; rows where it is False are left untouched (their count and
+        position get + 0, so the update has the same shape either way).
+        """
+        ones = torch.ones_like(slots) if mask is None else mask.to(device=slots.device, dtype=torch.int64)
+        if self.layout.split:
+            local = tokens - self.layout.offset
+            mine = (local >= 0) & (local < self.layout.real_width)
+            columns, counted = local.clamp(0, self.width - 1), mine.to(torch.int64) * ones
+        else:
+            columns, counted = tokens, ones
+        self.output_counts.index_put_((slots, columns), counted.to(torch.int32), accumulate=True)
+        self.position.index_add_(0, slots, ones)
+        self.output_len.index_add_(0, slots, ones)
+
+    def set_noise(self, slots: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
+                  streams: torch.Tensor) -> None:
+        """Overwrite the noise coordinates of `slots` (int64 tensors, seeds as int64 bit patterns)."""
+        self.seed[slots] = seeds
+        self.position[slots] = positions
+        self.stream[slots] = streams
+
+    def rebuild_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
+                        output_tokens: torch.Tensor | None) -> None:
+        """Rebuild the penalty history of `slots` from `[len(slots), S]` int64 global ids, -1 = padding.
+
+        prompt_tokens None keeps the prompt mask; output_tokens None clears the output counts.
+        The output length (for min_tokens) becomes the number of output ids (all of them, also
+        those another rank holds).
+        """
+        width = self.width
+        if prompt_tokens is not None:
+            local = self.layout.local_tensor(prompt_tokens)
+            mask = torch.zeros((slots.numel(), width + 1), dtype=torch.bool, device=self.device)
+            mask.scatter_(1, torch.where(local < 0, width, local), True)
+            self.prompt_mask[slots] = mask[:, :width]
+        counts = torch.zeros((slots.numel(), width + 1), dtype=torch.int32, device=self.device)
+        lengths = torch.zeros(slots.numel(), dtype=torch.int64, device=self.device)
+        if output_tokens is not None:
+            local = self.layout.local_tensor(output_tokens)
+            ids = torch.where(local < 0, width, local)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+            lengths = (output_tokens >= 0).sum(dim=1)
+        self.output_counts[slots] = counts[:, :width]
+        self.output_len[slots] = lengths

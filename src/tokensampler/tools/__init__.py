@@ -1,0 +1,1 @@
+"""The `tokensampler` command line (`cli`): the benchmark (`bench*`) and `generate`."""

@@ -1,0 +1,200 @@
+"""`tokensampler bench`: the workload matrix, timed side by side, every case checked against the oracle.
+
+Per case, arms run in alternating rounds on the same logits tensor: the single-pass floor
+(`logits.amax(-1)`), the plain sort-based torch pipeline most engines ship (sort, softmax, cumsum,
+multinomial), and tokensampler's `Sampler.sample`. Medians over the rounds; ratios within one run
+are what to compare (these machines are shared and noisy). Before timing, the sampler's tokens on
+the case's first step are compared with `reference.py`, token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import torch
+
+from ..backends.native import compile as ts_compile
+from ..reference import ReferenceRequest, reference_sample
+from ..sampler import Sampler
+from . import bench_vllm
+from .bench_memory import step_memory_report
+from .machine import machine_info
+from .workloads import OUTPUT_LEN, WORKLOAD_MATRIX, BenchCase, make_histories, make_logits
+
+QUICK_CHECK_ROWS = 4  # --quick checks this many rows per case against the reference (all otherwise)
+
+def build_sampler(case: BenchCase, device: torch.device | str, prompts, outputs) -> Sampler:
+    sampler = Sampler(case.vocab, max_slots=case.batch, device=device)
+    for row in range(case.batch):
+        sampler.add_request(row, case.sampling_params(seed=1000 + row), prompts[row],
+                            output_token_ids=outputs[row])
+    return sampler
+
+
+def check_against_reference(case: BenchCase, logits: torch.Tensor, prompts, outputs,
+                            device: torch.device | str, max_rows: int | None = None) -> tuple[int, int]:
+    """(rows equal to reference.py, rows checked) on the first step of a fresh sampler.
+
+    The whole batch is sampled; the reference (about a second per 150k-wide row on a CPU core)
+    checks the first `max_rows` rows (all by default)."""
+    sampler = build_sampler(case, device, prompts, outputs)
+    got = sampler.sample(logits).token_ids.cpu()
+    rows = case.batch if max_rows is None else min(max_rows, case.batch)
+    requests = [ReferenceRequest(case.sampling_params(1000 + row), 1000 + row,
+                                 len(prompts[row]) + len(outputs[row]), prompts[row], outputs[row])
+                for row in range(rows)]
+    want = reference_sample(logits[:rows].cpu(), requests, vocab_size=case.vocab).token_ids
+    return int((got[:rows] == want).sum()), rows
+
+
+def sort_pipeline_step(logits: torch.Tensor, case: BenchCase, counts: torch.Tensor | None,
+                       prompt_mask: torch.Tensor | None, gen: torch.Generator) -> torch.Tensor:
+    """The textbook step: penalties, temperature, top-k by threshold, top-p by sort + cumsum,
+    min-p, softmax, multinomial (and log_softmax + topk when logprobs are asked)."""
+    p = case.params
+    z = logits.float()
+    if counts is not None:
+        seen = (counts > 0) | prompt_mask
+        rep = p.get("repetition_penalty", 1.0)
+        z = torch.where(seen, torch.where(z > 0, z / rep, z * rep), z)
+        z = z - p.get("frequency_penalty", 0.0) * counts - p.get("presence_penalty", 0.0) * (counts > 0)
+    if p.get("logprobs") is not None:
+        torch.topk(torch.log_softmax(logits.float(), dim=-1), p["logprobs"], dim=-1)
+    if p.get("temperature", 1.0) == 0.0:
+        return z.argmax(dim=-1)
+    z = z / p.get("temperature", 1.0)
+    if p.get("top_k", 0) > 0:
+        kth = torch.topk(z, p["top_k"], dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, -math.inf)
+    if p.get("top_p", 1.0) < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        cumulative = torch.softmax(sorted_z, dim=-1).cumsum(dim=-1)
+        remove = cumulative - torch.softmax(sorted_z, dim=-1) > p["top_p"]
+        sorted_z = sorted_z.masked_fill(remove, -math.inf)
+        z = torch.empty_like(z).scatter_(-1, order, sorted_z)
+    probs = torch.softmax(z, dim=-1)
+    if p.get("min_p", 0.0) > 0.0:
+        probs = probs.masked_fill(probs < p["min_p"] * probs.amax(dim=-1, keepdim=True), 0.0)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_arms(arms: dict, rounds: int, device: torch.device, warmup: int = 1) -> dict[str, list[float]]:
+    """Milliseconds per call of each arm, alternating arms within each round. An arm is a callable,
+    or a (setup, callable) pair whose setup runs untimed before each call."""
+    arms = {name: fn if isinstance(fn, tuple) else (None, fn) for name, fn in arms.items()}
+    for setup, fn in arms.values():
+        for _ in range(warmup):
+            if setup is not None:
+                setup()
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, (setup, fn) in arms.items():
+            if setup is not None:  # untimed preparation, e.g. a fresh copy of an input edited in place
+                setup()
+            _synchronize(device)
+            start = time.perf_counter()
+            fn()
+            _synchronize(device)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return times
+
+
+def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int | None = None,
+             against: str | None = None) -> dict:
+    logits = make_logits(case.batch, case.vocab, flat=case.flat, device=device)
+    prompts, outputs = make_histories(case)
+    equal, rows = check_against_reference(case, logits, prompts, outputs, device, check_rows)
+    sampler = build_sampler(case, device, prompts, outputs)
+    counts = prompt_mask = None
+    if case.history:
+        counts = torch.zeros(case.batch, case.vocab, device=device)
+        counts.scatter_add_(1, torch.tensor(outputs, device=device), torch.ones(case.batch, OUTPUT_LEN, device=device))
+        prompt_mask = torch.zeros(case.batch, case.vocab, dtype=torch.bool, device=device)
+        prompt_mask.scatter_(1, torch.tensor(prompts, device=device), True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    arms = {
+        "floor": lambda: logits.amax(dim=-1),
+        "sort_pipeline": lambda: sort_pipeline_step(logits, case, counts, prompt_mask, gen),
+        "tokensampler": lambda: sampler.sample(logits),
+    }
+    if against == "vllm" and device.type == "cpu":
+        peer = bench_vllm.vllm_arm(case, logits, prompts, outputs)
+        if peer is not None:
+            arms["vllm"] = peer
+    times = time_arms(arms, rounds, device)
+    medians = {name: statistics.median(values) for name, values in times.items()}
+    memory = step_memory_report(lambda: sampler.sample(logits), logits, case.vocab,
+                                lambda: sampler.workspace_bytes) if device.type == "cpu" else None
+    return {
+        "case": case.name, "batch": case.batch, "vocab": case.vocab, "params": case.params,
+        "flat": case.flat, "history": case.history, "rounds": rounds,
+        "median_ms": medians, "runs_ms": times,
+        "reference_rows_equal": equal, "rows": rows, "memory": memory,
+    }
+
+
+def format_table(results: list[dict]) -> str:
+    peer = any("vllm" in r["median_ms"] for r in results)
+    memory = any(r.get("memory") for r in results)
+    header = "| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts |"
+    header += " vLLM ms | vLLM / ts |" if peer else ""
+    header += " peak extra / fp32 logits |" if memory else ""
+    header += " rows = reference |"
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in results:
+        m = r["median_ms"]
+        line = (f"| {r['case']} | {m['tokensampler']:.2f} | {m['sort_pipeline']:.2f} | {m['floor']:.3f} | "
+                f"{m['tokensampler'] / m['floor']:.1f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x |")
+        if peer:
+            line += (f" {m['vllm']:.2f} | {m['vllm'] / m['tokensampler']:.1f}x |" if "vllm" in m else " - | - |")
+        if memory:
+            line += f" {r['memory']['ratio']:.2f} |" if r.get("memory") else " - |"
+        lines.append(line + f" {r['reference_rows_equal']}/{r['rows']} |")
+    return "\n".join(lines)
+
+
+def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = None,
+              cases: list[str] | None = None, rounds: int | None = None, log=sys.stderr,
+              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None) -> list[dict]:
+    """Run the matrix (or the named cases); print progress to `log`, return per-case results."""
+    dev = torch.device(device)
+    selected = [c for c in matrix if cases is None or c.name in cases]
+    unknown = set(cases or ()) - {c.name for c in matrix}
+    if unknown:
+        raise ValueError(f"cases={sorted(unknown)} are not in the workload matrix: {[c.name for c in matrix]}")
+    n_rounds = rounds if rounds is not None else (3 if quick else 7)
+    check_rows = QUICK_CHECK_ROWS if quick else None
+    peer_note = None
+    if against == "vllm":
+        peer_note = bench_vllm.why_unavailable()
+        if peer_note:
+            print(peer_note, file=log, flush=True)
+    results = []
+    for i, case in enumerate(selected, 1):
+        print(f"[{i}/{len(selected)}] {case.name} (B={case.batch}, V={case.vocab}) ...", file=log, flush=True)
+        results.append(run_case(case, dev, n_rounds, check_rows, against))
+        m = results[-1]["median_ms"]
+        peer = f", vLLM {m['vllm']:.2f} ms" if "vllm" in m else ""
+        print(f"    tokensampler {m['tokensampler']:.2f} ms, sort pipeline {m['sort_pipeline']:.2f} ms{peer}, "
+              f"floor {m['floor']:.3f} ms, reference {results[-1]['reference_rows_equal']}/{case.batch}",
+              file=log, flush=True)
+    if json_path:
+        payload = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   "machine": machine_info(dev), "quick": quick, "results": results}
+        if against == "vllm":
+                payload["peer"] = {"name": "vllm", "version": bench_vllm.vllm_version(), "note": peer_note}
+        payload["compile"] = ts_compile.report()
+        with open(json_path, "w") as fh:
+            json.dump(payload, fh, indent=1)
+    return results

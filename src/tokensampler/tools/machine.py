@@ -1,0 +1,16 @@
+"""What a recorded benchmark says about the machine it ran on."""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+
+def machine_info(device: torch.device) -> dict:
+    info = {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "device": str(device)}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info

@@ -1,0 +1,67 @@
+"""The bench's workload matrix: its cases, LLM-shaped logits and request histories."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..core.params import SamplingParams
+
+PROMPT_LEN = 512
+OUTPUT_LEN = 256
+
+
+@dataclass(frozen=True)
+class BenchCase:
+    """One row of the workload matrix: all rows of the batch share `params`."""
+
+    name: str
+    batch: int
+    vocab: int
+    params: dict = field(default_factory=dict)
+    flat: bool = False
+    history: bool = False  # admit each row with a 512-token prompt and 256 output tokens
+
+    def sampling_params(self, seed: int) -> SamplingParams:
+        return SamplingParams(seed=seed, **self.params)
+
+
+WORKLOAD_MATRIX: tuple[BenchCase, ...] = (
+    BenchCase("greedy", 32, 151936, {"temperature": 0.0}),
+    BenchCase("temp", 32, 151936, {"temperature": 0.8}),
+    BenchCase("topk50", 32, 151936, {"temperature": 0.8, "top_k": 50}),
+    BenchCase("topp0.9", 32, 151936, {"temperature": 0.8, "top_p": 0.9}),
+    BenchCase("topp0.9_flat", 32, 151936, {"temperature": 1.0, "top_p": 0.9}, flat=True),
+    BenchCase("k20_p0.95", 32, 151936, {"temperature": 0.7, "top_k": 20, "top_p": 0.95}),
+    BenchCase("minp0.05", 32, 151936, {"temperature": 1.0, "min_p": 0.05}),
+    BenchCase("penalties_topp", 32, 151936, {"temperature": 0.8, "top_p": 0.9, "presence_penalty": 0.5,
+                                              "frequency_penalty": 0.3, "repetition_penalty": 1.1}, history=True),
+    BenchCase("logprobs20_topp", 32, 151936, {"temperature": 0.8, "top_p": 0.9, "logprobs": 20}),
+    BenchCase("B1_V248k_topp", 1, 248320, {"temperature": 1.0, "top_p": 0.95}),
+    BenchCase("B128_V128k_k20_p0.95", 128, 128256, {"temperature": 1.0, "top_k": 20, "top_p": 0.95}),
+)
+
+
+def make_logits(batch: int, vocab: int, *, flat: bool = False, seed: int = 0,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """LLM-shaped logits: per row `18 - s*ln(rank) + N(0, 0.7^2)` under a random permutation,
+    s = 2.2 (peaked) or 1.0 (flat). float32 [batch, vocab]."""
+    gen = torch.Generator().manual_seed(seed)
+    slope = 1.0 if flat else 2.2
+    profile = 18.0 - slope * torch.log(torch.arange(1, vocab + 1, dtype=torch.float32))
+    rows = []
+    for _ in range(batch):
+        values = profile + 0.7 * torch.randn(vocab, generator=gen)
+        rows.append(values[torch.randperm(vocab, generator=gen)])
+    return torch.stack(rows).to(device)
+
+
+def make_histories(case: BenchCase, seed: int = 1) -> tuple[list[list[int]], list[list[int]]]:
+    """Per-row prompt and output token ids for the penalty cases (empty otherwise)."""
+    if not case.history:
+        return [[] for _ in range(case.batch)], [[] for _ in range(case.batch)]
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, case.vocab, (case.batch, PROMPT_LEN), generator=gen).tolist()
+    outputs = torch.randint(0, case.vocab, (case.batch, OUTPUT_LEN), generator=gen).tolist()
+    return prompts, outputs

@@ -1,0 +1,32 @@
+"""ops.argmax.first_argmax equals torch.argmax (first maximum) on ties, NaN, -inf rows and tails."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokensampler.backends.native.argmax import first_argmax
+
+
+@settings(max_examples=150, deadline=None)
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 4), width=st.integers(1, 12_000),
+       block=st.sampled_from([1, 7, 64, 1024]), kind=st.sampled_from(["ties", "nan", "neginf", "posinf", "slice"]))
+def test_first_argmax_is_the_first_maximum(seed, rows, width, block, kind):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.round(torch.randn(rows, width, generator=gen) * 1.5)  # many ties
+    if kind == "nan":
+        x[0, int(torch.randint(0, width, (1,), generator=gen))] = float("nan")
+    elif kind == "neginf":
+        x[-1] = float("-inf")
+    elif kind == "posinf":
+        x[:, torch.randint(0, width, (3,), generator=gen)] = float("inf")
+    elif kind == "slice":
+        x = x[:, : max(1, width - 5)]  # a strided view, as logits[:, :V] of padded logits
+    assert torch.equal(first_argmax(x, block=block), x.argmax(dim=-1))
+
+
+def test_the_maximum_in_the_tail_block_and_at_block_borders():
+    x = torch.zeros(3, 5000)
+    x[0, 4999] = 1.0          # inside the partial tail block
+    x[1, 1023] = x[1, 1024] = 2.0  # a tie across a block border: the first wins
+    x[2, 3000] = x[2, 4990] = 3.0  # the tail window overlaps an earlier block holding the max
+    assert first_argmax(x, block=1024).tolist() == [4999, 1023, 3000]

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: reference/sampler runs, a tiny HF checkpoint, split and engine harnesses."""

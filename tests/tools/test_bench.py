@@ -1,0 +1,87 @@
+"""The bench's pieces on small cases: logits shape, the baseline pipeline, the reference check, JSON."""
+
+import io
+import json
+import math
+
+import pytest
+import torch
+
+from tokensampler.tools import bench, cli
+
+SMALL = (
+    bench.BenchCase("small_topp", 3, 2000, {"temperature": 0.8, "top_p": 0.9}),
+    bench.BenchCase("small_pen", 2, 1500, {"temperature": 0.8, "top_k": 5, "repetition_penalty": 1.1,
+                                           "presence_penalty": 0.5, "frequency_penalty": 0.3}, history=True),
+    bench.BenchCase("small_greedy_lp", 2, 500, {"temperature": 0.0, "logprobs": 3}, flat=True),
+)
+
+
+def test_logits_follow_the_profile():
+    logits = bench.make_logits(2, 5000, seed=3)
+    assert logits.shape == (2, 5000) and logits.dtype == torch.float32
+    ranked = torch.sort(logits[0], descending=True).values
+    # 18 - 2.2 ln(rank) + noise: the top is near 18, rank 1000 near 18 - 2.2 ln 1000 = 2.8
+    assert 17.0 < float(ranked[0]) < 21.5
+    assert abs(float(ranked[999]) - (18 - 2.2 * math.log(1000))) < 1.0
+    flat = torch.sort(bench.make_logits(1, 5000, flat=True, seed=3)[0], descending=True).values
+    assert abs(float(flat[999]) - (18 - math.log(1000))) < 1.0
+    assert torch.equal(bench.make_logits(2, 100, seed=1), bench.make_logits(2, 100, seed=1))
+
+
+def test_sort_pipeline_samples_from_the_filtered_set():
+    case = bench.BenchCase("k", 4, 300, {"temperature": 1.0, "top_k": 3})
+    logits = bench.make_logits(4, 300, seed=5)
+    gen = torch.Generator().manual_seed(0)
+    top3 = torch.topk(logits, 3, dim=-1).indices
+    for _ in range(20):
+        token = bench.sort_pipeline_step(logits, case, None, None, gen)
+        assert bool((top3 == token[:, None]).any(dim=-1).all())
+
+
+def test_run_bench_checks_reference_and_writes_json(tmp_path):
+    log = io.StringIO()
+    path = tmp_path / "out.json"
+    results = bench.run_bench(matrix=SMALL, rounds=2, json_path=str(path), log=log)
+    assert [r["case"] for r in results] == [c.name for c in SMALL]
+    for r in results:
+        assert r["reference_rows_equal"] == r["rows"] > 0
+        assert set(r["median_ms"]) == {"floor", "sort_pipeline", "tokensampler"}
+        assert all(len(v) == 2 for v in r["runs_ms"].values())
+    payload = json.loads(path.read_text())
+    assert payload["machine"]["torch"] == torch.__version__ and len(payload["results"]) == 3
+    assert "[3/3] small_greedy_lp" in log.getvalue()
+    table = bench.format_table(results)
+    assert table.count("\n") == 4 and "| small_pen |" in table
+
+
+def test_quick_checks_a_subset_of_rows():
+    results = bench.run_bench(matrix=SMALL[:1], rounds=1, quick=True, log=io.StringIO())
+    assert results[0]["rows"] == min(bench.QUICK_CHECK_ROWS, SMALL[0].batch)
+
+
+def test_unknown_case_is_rejected():
+    with pytest.raises(ValueError, match="not in the workload matrix"):
+        bench.run_bench(cases=["nope"], log=io.StringIO())
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--rounds", "x"])
+
+
+def test_matrix_is_the_issue_matrix():
+    names = [c.name for c in bench.WORKLOAD_MATRIX]
+    assert names == ["greedy", "temp", "topk50", "topp0.9", "topp0.9_flat", "k20_p0.95", "minp0.05",
+                     "penalties_topp", "logprobs20_topp", "B1_V248k_topp", "B128_V128k_k20_p0.95"]
+    by_name = {c.name: c for c in bench.WORKLOAD_MATRIX}
+    assert (by_name["B1_V248k_topp"].batch, by_name["B1_V248k_topp"].vocab) == (1, 248320)
+    assert by_name["penalties_topp"].history and by_name["topp0.9_flat"].flat
+
+
+def test_readme_usage_example_runs():
+    """The README's 'Use it' example runs as written."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = text.split("## Use it", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert out.token_ids.shape == (2,) and bool(out.valid.all())
