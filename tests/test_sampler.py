@@ -69,7 +69,8 @@ def assert_outputs_equal(got, want):
         assert torch.allclose(g.top_logprobs.cpu(), w.top_logprobs, atol=1e-5, rtol=0, equal_nan=True)
 
 
-@settings(max_examples=int(os.environ.get("TOKENSAMPLER_EXAMPLES", "60")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=int(os.environ.get("TOKENSAMPLER_EXAMPLES", "60")), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31), batch=st.integers(1, 6), vocab=st.integers(2, 80),
        pad=st.sampled_from([0, 1, 7]), dtype=st.sampled_from([torch.float32, torch.float16, torch.bfloat16]),
        mode=st.sampled_from(LOGPROBS_MODES), steps=st.integers(1, 3))

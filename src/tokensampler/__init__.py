@@ -4,12 +4,27 @@ Given a batch of logits and each request's parameters and history, pick every re
 token exactly as docs/semantics.md defines it, fast, on CPU or GPU, with per-slot state.
 """
 
-from .core.errors import (InvalidCheckpoint, InvalidEnvironment, InvalidRequest, InvalidSamplingParams,
-                          InvalidSlotRemap, SplitMismatch, StaleSamplingState, TokenSamplerError, TraceMismatch)
+from .core.errors import (
+                          InvalidCheckpoint,
+                          InvalidEnvironment,
+                          InvalidRequest,
+                          InvalidSamplingParams,
+                          InvalidSlotRemap,
+                          SplitMismatch,
+                          StaleSamplingState,
+                          TokenSamplerError,
+                          TraceMismatch,
+)
 from .core.output import LogprobsOutput, SamplerOutput
 from .core.params import SamplingParams
-from .engine.batch_params import (BatchSamplingParams, broadcast_sampling_params, chunk_sampling_params,
-                                  format_sampling_params, scatter_sampling_params_to_slots, slice_sampling_params)
+from .engine.batch_params import (
+                          BatchSamplingParams,
+                          broadcast_sampling_params,
+                          chunk_sampling_params,
+                          format_sampling_params,
+                          scatter_sampling_params_to_slots,
+                          slice_sampling_params,
+)
 from .engine.generator import SamplingGenerator
 from .engine.seeds import SeedManager, rank_local_slot_remap
 from .engine.tracing import TraceKey

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from tokensampler import SamplingParams
-
 from support.runs import ENGINES, kept_ids, processed_values
+from tokensampler import SamplingParams
 
 engines = pytest.mark.parametrize("engine", sorted(ENGINES))
 LOG = math.log

@@ -24,7 +24,8 @@ def test_normalisations():
     assert dict(SamplingParams(logit_bias={3: 250.0, 4: -1e9, 5: 1.5}).logit_bias) == {3: 100.0, 4: -100.0, 5: 1.5}
     assert SamplingParams(allowed_token_ids=[4, 2]).allowed_token_ids == (4, 2)
     assert SamplingParams(temperature=0).greedy
-    assert SamplingParams(temperature=1).temperature == 1.0 and isinstance(SamplingParams(temperature=1).temperature, float)
+    one = SamplingParams(temperature=1).temperature
+    assert one == 1.0 and isinstance(one, float)
 
 
 def test_frozen_and_hashable():

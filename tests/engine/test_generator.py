@@ -13,15 +13,18 @@ import pytest
 import torch
 
 from support.engine import EOS, Engine
-from tokensampler.engine.batch_params import (PADDING_LANE, BatchSamplingParams, broadcast_sampling_params,
-                                       chunk_sampling_params, format_sampling_params,
-                                       scatter_sampling_params_to_slots, slice_sampling_params)
-from tokensampler.generator import (SamplingGenerator, StaleSamplingState, TraceMismatch,
-                                    rank_local_slot_remap)
-from tokensampler import InvalidSamplingParams, SamplingParams
-from tokensampler import Sampler
-from tokensampler import InvalidSlotRemap, SeedManager
+from tokensampler import InvalidSamplingParams, InvalidSlotRemap, Sampler, SamplingParams, SeedManager
+from tokensampler.engine.batch_params import (
+    PADDING_LANE,
+    BatchSamplingParams,
+    broadcast_sampling_params,
+    chunk_sampling_params,
+    format_sampling_params,
+    scatter_sampling_params_to_slots,
+    slice_sampling_params,
+)
 from tokensampler.engine.seeds import check_slot_remap
+from tokensampler.generator import SamplingGenerator, StaleSamplingState, TraceMismatch, rank_local_slot_remap
 
 V = 64
 SP = SamplingParams

@@ -11,18 +11,22 @@ from __future__ import annotations
 
 import json
 
-import support.split_cases as dc
-import support.engine_split_cases as gc
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tokensampler import Sampler, SamplingParams
+import support.engine_split_cases as gc
+import support.split_cases as dc
+from tokensampler import (
+    InvalidSamplingParams,
+    InvalidSlotRemap,
+    Sampler,
+    SamplingGenerator,
+    SamplingParams,
+    SplitMismatch,
+    TraceMismatch,
+)
 from tokensampler.engine.batch_params import BatchSamplingParams
-from tokensampler import SplitMismatch
-from tokensampler import SamplingGenerator, TraceMismatch
-from tokensampler import InvalidSamplingParams
-from tokensampler import InvalidSlotRemap
 
 COVERED = ("device_remap", "host_remap", "host_decode", "rebuild", "partial_prefill", "partial_prefill_while_stale",
            "traced", "refused", "retune", "finish")

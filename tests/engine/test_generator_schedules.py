@@ -18,10 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from support.engine import Engine
+from tokensampler import Sampler, SamplingParams, StaleSamplingState
 from tokensampler.engine.batch_params import BatchSamplingParams, format_sampling_params
-from tokensampler import StaleSamplingState
-from tokensampler import SamplingParams
-from tokensampler import Sampler
 
 V = 64
 PHASES = [Phase.explicit, Phase.reuse, Phase.generate] + ([] if os.environ.get("TS_NO_SHRINK") else [Phase.shrink])

@@ -11,13 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
-from tokensampler.core import rng
-from tokensampler.tools.workloads import make_logits
 from tokensampler.backends.native import dense, gumbel, select
 from tokensampler.backends.native.config import NativeConfig
-
-from support.runs import run_reference, run_sampler
+from tokensampler.core import rng
+from tokensampler.tools.workloads import make_logits
 
 NEG_INF = float("-inf")
 

@@ -16,12 +16,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from support.runs import MODES, assert_same_output, run_reference, run_sampler
 from tokensampler import Sampler, SamplingParams
-from tokensampler.core import rng
 from tokensampler.backends.native import fused, gumbel, select
 from tokensampler.backends.native.config import NativeConfig
-
-from support.runs import MODES, assert_same_output, run_reference, run_sampler
+from tokensampler.core import rng
 
 NEG_INF = float("-inf")
 # ------------------------------------------------------------------ building blocks
@@ -398,7 +397,8 @@ def test_temperature_overflow_to_minus_inf_empties_the_row(mode):
     """z / T overflows to -inf for every id of row 1 (and for some ids of row 0): row 1 has no id
     left, is invalid and gets its raw greedy id; row 0 samples among the ids that stay finite."""
     logits = torch.tensor([[-3e38, -3.1e38, -2e38, 5.0], [-3e38, -3.2e38, -3.3e38, -3.05e38]])
-    params = [SamplingParams(temperature=0.01, seed=1, logprobs=2), SamplingParams(temperature=0.01, seed=2, logprobs=4)]
+    params = [SamplingParams(temperature=0.01, seed=1, logprobs=2),
+              SamplingParams(temperature=0.01, seed=2, logprobs=4)]
     want = run_reference(logits, params, logprobs_mode=mode)
     got = run_sampler(logits, params, logprobs_mode=mode)
     assert_same_output(want, got)

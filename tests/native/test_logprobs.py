@@ -9,15 +9,13 @@ vocabularies wide enough for the chunked top-N.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from support.runs import MODES, assert_close_logprobs, assert_same_output, run_reference, run_sampler
 from tokensampler import SamplingParams
 from tokensampler.backends.native import logprobs
 from tokensampler.core.order import value_id_keys
-
-from support.runs import MODES, assert_close_logprobs, assert_same_output, run_reference, run_sampler
 
 NEG_INF = float("-inf")
 

@@ -12,10 +12,9 @@ import math
 import pytest
 import torch
 
+from support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
 from tokensampler.backends.native import row_stats
-
-from support.runs import run_reference, run_sampler
 
 NEG_INF = float("-inf")
 
@@ -59,7 +58,8 @@ def test_compiled_tail_is_within_the_error_bound(monkeypatch):
 @pytest.mark.parametrize("checked", [True, False])
 def test_uncertain_top_p_rows_get_the_exact_mass(checked, monkeypatch):
     """p = 1, 1/2, 1/4, 1/4 (+ a tail of tiny p) with top_p * total just below 1.5, the mass above
-    the 1/4 ids, so they go. A tail off by 4e-7 of itself (inside the error bound) would keep them; the sampler sees the row is uncertain and recomputes its mass. With the check
+    the 1/4 ids, so they go. A tail off by 4e-7 of itself (inside the error bound) would keep them;
+    the sampler sees the row is uncertain and recomputes its mass. With the check
     switched off (error 0) the perturbed tail gives a different kept set: the test sees it."""
     real = row_stats._tail_eager
 

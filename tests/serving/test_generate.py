@@ -15,12 +15,12 @@ pytest.importorskip("transformers", reason="the [hf] extra (transformers, tokeni
 import torch  # noqa: E402
 
 from support.hf_checkpoint import TINY_GENERATION_CONFIG, build_tiny_checkpoint  # noqa: E402
-from tokensampler.tools import cli  # noqa: E402
+from tokensampler import InvalidSamplingParams  # noqa: E402
+from tokensampler.core.plan import plan_step  # noqa: E402
+from tokensampler.reference import ReferenceRequest, reference_sample  # noqa: E402
 from tokensampler.serving.generate import generate, load_causal_lm  # noqa: E402
 from tokensampler.serving.generation_config import GenerationDefaults, InvalidRequest, load_generation_defaults  # noqa: E402
-from tokensampler import InvalidSamplingParams  # noqa: E402
-from tokensampler.reference import ReferenceRequest, reference_sample  # noqa: E402
-from tokensampler.core.plan import plan_step  # noqa: E402
+from tokensampler.tools import cli  # noqa: E402
 
 PROMPTS = ["the quick brown fox", "a small model samples the next token from", "greedy"]
 

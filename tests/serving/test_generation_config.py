@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tokensampler import InvalidSamplingParams, SamplingParams
 from tokensampler.serving.generation_config import (
     ACCEPTED_FIELDS,
     NEUTRAL_DEFAULTS,
@@ -18,7 +19,6 @@ from tokensampler.serving.generation_config import (
     load_generation_defaults,
     resolve_request,
 )
-from tokensampler import InvalidSamplingParams, SamplingParams
 
 NEUTRAL = SamplingParams()
 

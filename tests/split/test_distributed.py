@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import json
 
-import support.split_cases as dc
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from tokensampler import Sampler, SamplingParams
-from tokensampler import SplitMismatch
-from tokensampler.parallel import SamplingDP, sampling_dp
+import support.split_cases as dc
+from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, SplitMismatch
 from tokensampler.backends.split import merge as sel
 from tokensampler.core.order import KEY_NEG_INF, order_key, saturate_posinf
-from tokensampler import InvalidSamplingParams
+from tokensampler.parallel import SamplingDP, sampling_dp
 
 
 # ------------------------------------------------------------------ the merge math

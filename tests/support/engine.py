@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokensampler import Sampler, SamplingParams
 from tokensampler.engine.batch_params import BatchSamplingParams
 from tokensampler.engine.generator import NEUTRAL_PARAMS, SamplingGenerator
-from tokensampler import SamplingParams
 from tokensampler.reference import ReferenceRequest, reference_sample
-from tokensampler import Sampler
 
 EOS = (1,)
 

@@ -16,12 +16,10 @@ import random
 from typing import Any
 
 import torch
-from support.split_cases import compare
-from support.engine import EOS, Engine
 
-from tokensampler import SamplingGenerator, StaleSamplingState
-from tokensampler import SamplerOutput
-from tokensampler import SamplingParams
+from support.engine import EOS, Engine
+from support.split_cases import compare
+from tokensampler import SamplerOutput, SamplingGenerator, SamplingParams, StaleSamplingState
 
 # world -> (V, Vp, logprobs mode): a padded tail inside the last rank (61 of 64 over 2 ranks), and
 # one spanning two ranks (30 of 48 over 3: rank 1 holds 14 ids + 2 padding, rank 2 only padding).
@@ -203,7 +201,8 @@ def default_seed_schedule(group: Any, rank: int, world: int, vocab: int, padded:
     """The schedule with the default seed source (drawn on rank 0, shared): the engine's own checks
     hold on every rank; returns the tokens per step and the seeds drawn, to compare across ranks."""
     gen = make_generator(vocab, padded, "raw_logprobs", group)
-    engine = Engine(vocab, padded_vocab_size=padded, seed=seed, batched_check=True, generator=SliceView(gen, rank, world))
+    engine = Engine(vocab, padded_vocab_size=padded, seed=seed, batched_check=True,
+                    generator=SliceView(gen, rank, world))
     outs, _ = run_schedule(engine, seed, actions)
     return [o.token_ids.tolist() for o in outs], [gen.seed_of(s) for s in gen.occupied_slots()]
 

@@ -277,8 +277,7 @@ def _expect(label: str, fn: Callable[[], Any], error: type, field_name: str | No
 
 def error_checks(group: Any) -> list[str]:
     """Every rank must raise (the same kind of error) and keep its state; then a good step works."""
-    from tokensampler import SplitMismatch
-    from tokensampler import InvalidSamplingParams
+    from tokensampler import InvalidSamplingParams, SplitMismatch
 
     ex = group if isinstance(group, Exchange) else None
     world = ex.world_size if ex else torch.distributed.get_world_size(group)

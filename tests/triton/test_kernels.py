@@ -1,9 +1,10 @@
 """The Triton step (`tokensampler.backends.triton`) against `reference.py`, token for token.
 
 Without a GPU the kernels run on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, which
-tests/conftest.py sets for the session before anything imports Triton); with one they are compiled and run on CUDA tensors, and the
-CUDA-graph test runs too (the one test skipped without CUDA). Vocabularies are small (the
-interpreter is slow); block sizes are smaller still so every multi-block and multi-split path runs.
+tests/conftest.py sets for the session before anything imports Triton); with one they are
+compiled and run on CUDA tensors, and the CUDA-graph test runs too (the one test skipped without
+CUDA). Vocabularies are small (the interpreter is slow); block sizes are smaller still so every
+multi-block and multi-split path runs.
 """
 
 from __future__ import annotations

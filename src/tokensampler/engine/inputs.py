@@ -39,6 +39,7 @@ def positions_by_slot(positions: Any, live: list[int], num_lanes: int) -> dict[i
         value = values[slot]
         if value is None:
             continue
-        check_int(f"positions[{slot}]", value, 0, POSITION_LIMIT - 1, allowed=f"None or an int in [0, {POSITION_LIMIT})")
+        check_int(f"positions[{slot}]", value, 0, POSITION_LIMIT - 1,
+                  allowed=f"None or an int in [0, {POSITION_LIMIT})")
         out[slot] = value
     return out

@@ -111,7 +111,7 @@ class StepTracer:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 output = self.sampler.sample(logits, record=record)
-        except Exception as error:  # a step that syncs or allocates on the host cannot be captured
+        except Exception as error:  # noqa: BLE001 - any capture failure (a host sync, an allocation): run eagerly
             warnings.warn(f"tokensampler: the sampling step could not be captured ({error!r}); running it "
                           "eagerly", RuntimeWarning, stacklevel=3)
             return trace

@@ -1,7 +1,6 @@
 """Old import path of the Triton backend, `tokensampler.backends.triton` (re-exported here)."""
 
-from ..backends.triton.config import (BACKEND_ENV, BACKENDS, MAX_KERNEL_LOGPROBS, KernelConfig, interpreter_enabled,
-                                      requested_backend, triton_available, use_kernels)
+from ..backends import triton as _triton
+from ..backends.triton import *  # noqa: F401,F403 - the old path re-exports the backend's public names
 
-__all__ = ["BACKENDS", "BACKEND_ENV", "MAX_KERNEL_LOGPROBS", "KernelConfig", "interpreter_enabled",
-           "requested_backend", "triton_available", "use_kernels"]
+__all__ = list(_triton.__all__)

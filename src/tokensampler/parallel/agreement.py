@@ -91,7 +91,8 @@ class Agreement:
             raise error
         failed = [r for r, row in enumerate(gathered) if row[0]]
         if failed:
-            raise SplitMismatch("group", f"rank {failed[0]} rejected its input", "valid input on every rank of the group")
+            raise SplitMismatch("group", f"rank {failed[0]} rejected its input",
+                                "valid input on every rank of the group")
         return [row[1:] for row in gathered]
 
     def agree(self, error: BaseException | None, what: str, key: Callable[[], Any] | Any,

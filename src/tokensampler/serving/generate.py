@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from ..core.errors import InvalidSamplingParams
-from ..core.params import SamplingParams
 from ..core.output import SamplerOutput
+from ..core.params import SamplingParams
 from ..sampler import Sampler
 from .generation_config import GenerationDefaults, resolve_request
 

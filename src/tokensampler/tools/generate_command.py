@@ -15,7 +15,6 @@ from ..core.params import SamplingParams
 from ..serving.generate import DTYPES, Completion, generate, load_causal_lm
 from ..serving.generation_config import GenerationDefaults, load_generation_defaults
 
-
 REQUEST_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "logprobs", "stop_token_ids")
 

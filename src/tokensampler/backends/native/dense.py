@@ -40,6 +40,7 @@ from . import gumbel, select
 from .config import DEFAULT, NativeConfig
 from .indexing import column_chunks, nonzero_ids
 from .select import relative_probs
+
 RACE_SLACK = 2.0**-10  # relative slack of the race bound: covers exp's and the products' rounding
 _TWO_POW_24 = float(2**24)
 _NO_ID = 2**31 - 1

@@ -153,9 +153,9 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
 
     The total kept mass: from the list when tau lies inside it; when nothing else removed ids, the
     list's mass plus the tail below list_floor (`tail` if given, else `row_stats.tail_mass` for the
-    rows that need it; compiled, within `row_stats.mass_error`); else an exact full-row pass. With an uncertain total the
-    threshold is found at both ends of the interval; rows where they differ get the exact total
-    and are searched again."""
+    rows that need it; compiled, within `row_stats.mass_error`); else an exact full-row pass. With
+    an uncertain total the threshold is found at both ends of the interval; rows where they differ
+    get the exact total and are searched again."""
     top_p_rows = top_p < 1.0
     head = _sorted_head(values, config.top_p_head)
     total = _list_mass(values, head, z_max, tau, top_p_rows & (tau >= lower))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import torch
 
-
 from .config import DEFAULT
 
 WORD_SCAN_MIN = 1 << 20  # below this many entries torch.nonzero is as fast (measured)

@@ -36,6 +36,7 @@ from ...core.constants import NEG_INF
 from ...core.order import value_id_keys
 from ...core.output import LogprobsOutput
 from . import compile as ts_compile
+
 CHUNK = 64  # ids per chunk of the top-N search (V / CHUNK chunk maxima per row)
 RANK_CHUNKS = 256  # most chunks a rank is counted in before a full-row count
 _ATEN_LANES = {"AVX512": 16, "AVX2": 8}  # float32 lanes of ATen's Vectorized<float> per capability

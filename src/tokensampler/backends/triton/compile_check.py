@@ -50,9 +50,10 @@ def compile_all(arch: int = 90) -> dict:
     """{kernel name: {pattern: count in the PTX}} for every variant, compiled for sm_`arch`."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("compile_check needs a process without TRITON_INTERPRET=1")
-    import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    import triton
 
     target = GPUTarget("cuda", arch, 32)
     report = {}

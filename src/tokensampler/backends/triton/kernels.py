@@ -17,13 +17,23 @@ float32 rounding of a float64 exp (see docs/kernels.md for the one place this ca
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
+
+import triton
 
 from ...core import rng as _rng
 from .noise import gumbel_noise, row_key
-from .thresholds import (INT64_MAX, INT64_MIN, NEG_INF, POS_INF, kept_summary, key_to_value, order_key,
-                         sampled_block, search_threshold)
+from .thresholds import (
+    INT64_MAX,
+    INT64_MIN,
+    NEG_INF,
+    POS_INF,
+    kept_summary,
+    key_to_value,
+    order_key,
+    sampled_block,
+    search_threshold,
+)
 
 GUMBEL_MIN = tl.constexpr(_rng.GUMBEL_MIN)
 GUMBEL_MAX = tl.constexpr(_rng.GUMBEL_MAX)

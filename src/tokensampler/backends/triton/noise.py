@@ -7,8 +7,9 @@ exactly the arithmetic `rng.py` emulates. u and g are computed in float64 as in 
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
+
+import triton
 
 from ...core import rng as _rng
 

@@ -9,8 +9,9 @@ the processed scores, by `step.logprobs_kernel`.
 
 from __future__ import annotations
 
-import triton
 import triton.language as tl
+
+import triton
 
 NEG_INF = tl.constexpr(float("-inf"))
 POS_INF = tl.constexpr(float("inf"))
