@@ -64,9 +64,18 @@ def _log_softmax(z: torch.Tensor) -> torch.Tensor:
 
 def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vocab_size: int,
                          logprobs_mode: str = "raw_logprobs"):
-    """Sample one row. Returns (token, valid, (order key, values)) where both are float32 over
-    [0, vocab_size): the values asked by `logprobs_mode`, and the scores they were computed from,
-    which order the ids for ranks and the top-N (so rounding to logprobs cannot create ties)."""
+    """The definition for one row, one step per block.
+
+    Parameters
+    ----------
+    logits_row: [Vp], any float dtype, any device. request: its parameters, history and noise
+    coordinates. vocab_size: V (ids >= V are padding). logprobs_mode: which values step 2 / 12 return.
+
+    Returns
+    -------
+    (token int, valid bool, (scores, values) or None): scores and values float32 [V], the values
+    asked by `logprobs_mode` and the scores they were computed from, which order the ids for ranks
+    and the top-N (so rounding to logprobs cannot create ties)."""
     params = request.params
     # 1. float32, padding removed, NaN and -inf removed
     z = logits_row.detach().to("cpu", torch.float32)[:vocab_size].clone()

@@ -209,12 +209,24 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
                  top_p: torch.Tensor, keys: torch.Tensor, row_mass: torch.Tensor | None = None,
                  p_buffer: torch.Tensor | None = None, config: NativeConfig = DEFAULT
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Steps 10-11 for flat rows. z float32 [R, V] (-inf = removed); z_max float32 [R]; lower
-    float32 [R]: ids below cannot win (`select.win_floor`); tau float32 [R]: the threshold so far
-    (min-p, top-k; -inf = none); top_p float64 [R] (1 = off); keys int64 [R] noise keys; row_mass
-    float64 [R]: the whole row's mass if known (it only places the candidate thresholds); p_buffer:
-    where p is written (see `select.relative_probs`). Returns (tokens int64 [R], tau float32 [R]: raised to
-    the exact top-p threshold)."""
+    """Steps 10-11 for flat rows (too many winnable ids for a candidate list).
+
+    Parameters
+    ----------
+    z: float32 [R, V], after temperature (-inf = removed).
+    z_max: float32 [R], each row's max.
+    lower: float32 [R], ids below it cannot win (`select.win_floor`).
+    tau: float32 [R], the threshold so far (min-p, top-k; -inf = none).
+    top_p: float64 [R] (1 = off).
+    keys: int64 [R], the rows' noise keys (`rng.row_key`).
+    row_mass: float64 [R], the whole row's mass if known (it only places the candidate thresholds).
+    p_buffer: where p = exp(z - z_max) is written (see `select.relative_probs`).
+    config: the dense route's tunables.
+
+    Returns
+    -------
+    (tokens int64 [R], tau float32 [R]): the Gumbel argmax over the kept ids, and tau raised to
+    the exact top-p threshold."""
     p = relative_probs(z, z_max, p_buffer)
     if row_mass is None:  # it only places the candidates: a float32 sum of p is close enough
         row_mass = p.sum(dim=-1).to(torch.float64)

@@ -63,14 +63,24 @@ def apply_temperature(z: torch.Tensor, z_max: torch.Tensor, temperature: torch.T
 def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact_threshold: bool,
                 in_place: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """z: float32 [R, V] after penalties (each row with a finite or +inf max `z_max`); modified in
-    place to z / T. Returns (tokens int64 [R], tau float32 [R]). With `exact_threshold` tau is the
-    exact kept threshold (kept = z >= tau, finite), as processed logprobs need; otherwise tau may
-    differ from it only below the winnable floor, where it cannot change the token.
+    """Steps 7-11 (temperature, min-p, top-k, top-p, Gumbel argmax) for R sampled rows.
 
-    in_place=False: z is not written (the caller's logits: finite max, no exact_threshold); values
-    are divided by T where they are read, bit for bit as the in-place division. Returns None when a
-    row needs a full-row route (flat rows, +inf after T): the caller then runs the in-place form."""
+    Parameters
+    ----------
+    z: float32 [R, V], the rows after penalties (-inf = removed). Divided by T in place unless
+        `in_place` is False.
+    z_max: float32 [R], each row's max of `z` (finite, or +inf).
+    cols: the rows' parameter columns, noise keys and `NativeConfig`.
+    exact_threshold: return the exact kept threshold (processed logprobs need it).
+    in_place: False for the caller's own logits: nothing is written, values are divided by T where
+        they are read (bit for bit the in-place division); needs a finite max and no exact_threshold.
+
+    Returns
+    -------
+    (tokens int64 [R], tau float32 [R]): the kept set of row r is {i : z_i / T >= tau_r}; with
+    `exact_threshold` tau is exactly the definition's threshold, otherwise it may differ from it
+    only below the winnable floor, where no id can win. None (in_place=False only) when a row needs
+    a full-row route (flat rows, +inf after T): the caller then runs the in-place form."""
     config = cols.config
     cap = config.candidate_cap
     cap = min(cap, max(1024, z.shape[1] // 8))  # a list near the row's size: the dense route is leaner

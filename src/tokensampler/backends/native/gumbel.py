@@ -81,8 +81,18 @@ def _winners(rows: torch.Tensor, ids: torch.Tensor, values: torch.Tensor, keys: 
 
 
 def gumbel_argmax_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """values: float32 [R, m] (z of the candidates, -inf = not kept); ids: int64 [R, m];
-    keys: int64 [R] row keys. Returns int64 [R]: the Gumbel argmax over each row's kept candidates."""
+    """Step 11 on candidate lists: the kept id with the largest z + g, lowest id on ties.
+
+    Parameters
+    ----------
+    values: float32 [R, m], z of the candidates (-inf = not kept).
+    ids: int64 [R, m], their ids.
+    keys: int64 [R], the rows' noise keys (`rng.row_key`).
+
+    Returns
+    -------
+    int64 [R]: each row's winner (exact noise is computed only within the margin of the best
+    approximate score)."""
     bits = rng.hash32_words(rng.to_int32_words(keys)[:, None] ^ ids.to(torch.int32), in_place=True)
     approx = approx_gumbel(bits, in_place=True).add_(values)
     approx.masked_fill_(torch.isneginf(values), NEG_INF)

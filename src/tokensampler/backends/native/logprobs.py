@@ -212,10 +212,22 @@ def top_n_ids(scores, num: torch.Tensor, width: int, maxima: torch.Tensor | None
 
 def gather_logprobs(scores, tokens: torch.Tensor, num_logprobs: torch.Tensor, width: int,
                     normalise: bool, stats: RowStats | None = None) -> LogprobsOutput:
-    """scores: clean float32 [B, V] (no NaN or +inf; -inf = removed) or a `ScoreRows`;
-    tokens: int64 [B]; num_logprobs: int64 [B] (N per row, <= V; rows that asked fewer are padded
-    with id -1 / -inf); width: N of the output; normalise: values are log_softmax of the scores
-    (else the scores); stats: `row_stats` of these scores if the caller has them."""
+    """Steps 2 / 12: the sampled token's value and rank and each row's top-N, read by gathers.
+
+    Parameters
+    ----------
+    scores: clean float32 [B, V] (no NaN or +inf; -inf = removed), or a `ScoreRows`.
+    tokens: int64 [B], the sampled ids.
+    num_logprobs: int64 [B], N per row (<= V).
+    width: the output's N (the batch's largest); shorter rows are padded with id -1 / value -inf.
+    normalise: values are log_softmax of the scores (else the scores themselves).
+    stats: `row_stats` of these scores, if the caller has them.
+
+    Returns
+    -------
+    LogprobsOutput: token_logprobs float32 [B], token_ranks int64 [B] (1-based, ids with a score
+    >= the token's), top_token_ids int64 [B, width] and top_logprobs float32 [B, width], ordered by
+    score descending then id ascending."""
     rows = _as_rows(scores)
     batch, vocab = rows.shape
     device = rows.scores.device

@@ -46,9 +46,20 @@ def apply_penalties_rows_(z: torch.Tensor, rows: list[int], slots: list[int], pr
 def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mask: torch.Tensor,
                   output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
                   presence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """(row_index, ids, values): the penalised values of `apply_penalties_rows_` at the ids the
-    slots have seen (None if none), without writing them. One seen-mask for all rows, its hits
-    found by `nonzero_ids`, then the arithmetic over the hits only."""
+    """Step 5 at the ids each slot has seen, without writing them.
+
+    Parameters
+    ----------
+    z: float32 [B, V], the rows' values before penalties.
+    rows, slots: the rows of `z` to penalise and the slot each reads its history from.
+    prompt_mask: bool [S, V]; output_counts: int32 [S, V]; repetition, frequency, presence:
+        float32 [S] (the state's columns).
+
+    Returns
+    -------
+    (row_index int64 [H], ids int64 [H], values float32 [H]): the penalised value of every seen
+    (row, id), in the reference's float32 order; None if no row has seen an id. One seen-mask for
+    all rows, its hits found by `nonzero_ids`, then the arithmetic over the hits only."""
     vocab = z.shape[1]
     seen = torch.empty((len(slots), vocab), dtype=torch.bool, device=z.device)
     for i, slot in enumerate(slots):  # no gathered copy of the int32 counts (a large temporary)

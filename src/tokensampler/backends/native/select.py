@@ -64,10 +64,20 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
 def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
                       count: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                       config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """Every id with z >= lower[r] (a finite bound), as (values, ids) [R, W] padded with -inf / id 0,
-    in id order (callers sort only the prefix they read), and the count per row (computed here
-    unless given); None if a row has more than `cap`. No sort of the row: one count, one compare,
-    one compaction. With `scale` (float32 [R]) the listed values are z / scale."""
+    """The candidate list: every id with z >= lower[r], without sorting the row (one count, one
+    compare, one compaction).
+
+    Parameters
+    ----------
+    z: float32 [R, V]. lower: float32 [R], finite. cap: the longest list allowed.
+    count: int64 [R], the ids per row with z >= lower if already counted.
+    scale: float32 [R]: the listed values are z / scale (the caller's undivided logits).
+
+    Returns
+    -------
+    (values float32 [R, W], ids int64 [R, W], count int64 [R]), W = the longest row's count, in id
+    order (callers sort only the prefix they read), padded with -inf / id 0; None if a row has more
+    than `cap` ids."""
     if count is None:
         count = winnable_count(z, lower, config)
     width = int(count.max()) if count.numel() else 0

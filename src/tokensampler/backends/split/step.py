@@ -106,8 +106,19 @@ def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: to
 
 def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                    row_params: Sequence[SamplingParams]) -> SamplerOutput:
-    """Sample the rows of `logits` (this rank's slice, [B, width]) for slots `index`, whose
-    parameters (host mirror) are `row_params`."""
+    """Steps 1-12 on this rank's slice, every rank computing the same result.
+
+    Parameters
+    ----------
+    split: the step (its state, exchange and layout).
+    logits: [B, width], this rank's columns of the batch (fp32, fp16 or bf16).
+    index: int64 [B], the slot of each row.
+    plan: the step plan; row_params: the rows' parameters (host mirror).
+
+    Returns
+    -------
+    SamplerOutput with global token ids, equal on every rank to the unsplit sampler's output on
+    the concatenated logits."""
     st, ex, offset = split.state, split.exchange, split.offset
     raw, z = _processed_z(split, logits, index, plan)
 
