@@ -6,7 +6,7 @@ and the usual alternatives, side by side, and its tokens against the CPU referen
 
 Per case (same logits tensor for every arm, arms alternating within each round):
   copy_floor     device-to-device copy of the logits (the bytes every method must read once)
-  amax_floor     `logits.amax(-1)` (the single-pass floor of DESIGN.md)
+  amax_floor     `logits.amax(-1)` (the single-pass floor)
   kernels        `Sampler.sample` on the Triton step (the default for CUDA logits)
   torch_sampler  `Sampler.sample` with TOKENSAMPLER_BACKEND=torch (eager: it is not graph-safe)
   sort_pipeline  the textbook sort/cumsum/multinomial step of `tokensampler.tools.bench`
