@@ -10,7 +10,8 @@ import argparse
 import sys
 from typing import Callable, Sequence
 
-from . import bench, bench_distributed, generate_command
+from ..core.errors import TokenSamplerError
+from . import bench, bench_distributed, generate_command, smollm2
 
 
 def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -53,6 +54,7 @@ SUBCOMMANDS: list[tuple[Callable[[argparse._SubParsersAction], argparse.Argument
                         Callable[[argparse.Namespace], int]]] = [
     (add_bench_parser, run_bench_command),
     (generate_command.add_generate_parser, generate_command.run_generate_command),
+    (smollm2.add_parser, smollm2.run),
 ]
 
 
@@ -62,7 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for build, run in SUBCOMMANDS:
         build(sub).set_defaults(run=run)
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except TokenSamplerError as error:  # a user error: one line, no traceback
+        print(f"tokensampler {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
