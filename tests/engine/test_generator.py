@@ -1,6 +1,6 @@
 """Tests of generator.py, batch_params.py and seeds.py: the decode-update contract, step by step.
 
-The scripted schedules run through `generator_engine.Engine`, which checks after every step that
+The scripted schedules run through `support.engine.Engine`, which checks after every step that
 each live request's token equals a fresh single-request `Sampler`'s (same seed, position, history).
 """
 

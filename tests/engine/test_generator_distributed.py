@@ -1,9 +1,9 @@
 """A `SamplingGenerator` over a vocabulary split (`group=`): the same tokens and log-probs as the
 unsplit generator at every step of an engine schedule, on every rank, and errors on every rank.
 
-The schedule (tests/generator_split_cases.py) runs admissions, partial prefills (also while other
+The schedule (tests/support/engine_split_cases.py) runs admissions, partial prefills (also while other
 slots are stale), device and host remaps, host decodes, rebuilds, parameter changes and traced
-steps; `generator_engine.Engine` also checks each token against a fresh unsplit `Sampler`. Two
+steps; `support.engine.Engine` also checks each token against a fresh unsplit `Sampler`. Two
 transports: threads of this process (ThreadExchange) and forked gloo process groups of 2 and 3 ranks.
 """
 

@@ -3,7 +3,7 @@
 Random admissions, finishes (released or not), condensing and arbitrary remaps, host and device
 decodes with random reload/reset commands, prefill steps that sample only the admitted slots,
 parameter changes and traced steps. After every step each live request's token must equal a fresh
-single-request `Sampler`'s (checked inside `generator_engine.Engine`), and the generator's seeds
+single-request `Sampler`'s (checked inside `support.engine.Engine`), and the generator's seeds
 and positions must follow every request. Small vocabulary and batches so the suite stays fast.
 """
 

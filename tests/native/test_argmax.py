@@ -1,4 +1,4 @@
-"""ops.argmax.first_argmax equals torch.argmax (first maximum) on ties, NaN, -inf rows and tails."""
+"""backends/native/argmax.first_argmax equals torch.argmax (first maximum) on ties, NaN, -inf rows and tails."""
 
 import torch
 from hypothesis import given, settings

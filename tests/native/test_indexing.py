@@ -1,4 +1,4 @@
-"""ops/indexing: nonzero_ids equals torch.nonzero on 1-D tensors of any length; read_at/write_at equal
+"""backends/native/indexing.py: nonzero_ids equals torch.nonzero on 1-D tensors of any length; read_at/write_at equal
 advanced indexing on contiguous and strided rows."""
 
 import pytest

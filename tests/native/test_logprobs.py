@@ -1,4 +1,4 @@
-"""ops/logprobs.py: the top-N ids, ranks and log_softmax values of the CPU fast path.
+"""backends/native/logprobs.py: the top-N ids, ranks and log_softmax values of the CPU fast path.
 
 Ids, ranks and the top-N order exactly as reference.py (a stable descending sort of the scores),
 ties at the N-th value and -inf rows included; values within 1e-6 + 1e-6 |value| of

@@ -1,4 +1,4 @@
-"""ops/row_stats: the compiled count and tail passes, and the error bound top-p relies on.
+"""backends/native/row_stats.py: the compiled count and tail passes, and the error bound top-p relies on.
 
 The compiled tail mass may differ from the reference's (eager exp) by an ulp per id; the sampler
 decides top-p at both ends of `mass_error` and recomputes the rows where they disagree. These tests

@@ -1,6 +1,6 @@
-"""Vocabulary split over a group (distributed.py): token-for-token equal to the unsplit Sampler.
+"""Vocabulary split over a group (backends/split, parallel/agreement): token-for-token equal to the unsplit Sampler.
 
-Two transports run the same random cases (tests/distributed_cases.py): threads of this process
+Two transports run the same random cases (tests/support/split_cases.py): threads of this process
 (fast, many shapes) and real gloo process groups started with torch.multiprocessing (one world of
 4 ranks whose sub-groups of ranks [0, n) give process groups of sizes 1-4, many checks per start).
 """

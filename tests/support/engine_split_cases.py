@@ -1,8 +1,8 @@
-"""Shared by tests/test_generator_distributed.py: one engine schedule driven through a
+"""Shared by tests/engine/test_generator_distributed.py: one engine schedule driven through a
 vocabulary-split `SamplingGenerator` (each rank passes its logits slice) and through an unsplit one
 (the concatenated logits), and the gloo worker that runs it in forked ranks.
 
-The schedule reuses `generator_engine.Engine`, which checks after every step that each live
+The schedule reuses `support.engine.Engine`, which checks after every step that each live
 request's token equals a fresh unsplit `Sampler`'s; here the split generator's tokens and log-probs
 must also equal the unsplit generator's at every step. Kept out of the test module so forked
 workers import it without pytest.

@@ -1,4 +1,4 @@
-"""Shared by tests/test_distributed.py: random split-vocabulary cases, the two ways to run them
+"""Shared by tests/split/test_distributed.py: random split-vocabulary cases, the two ways to run them
 (split over a group, unsplit `Sampler`), the comparison, and an in-process thread `Exchange`.
 
 Kept out of the test module so spawned gloo workers import it without pytest.

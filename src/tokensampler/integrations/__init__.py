@@ -1,1 +1,1 @@
-"""Engines that sample with tokensampler through their own extension points (`vllm`: a vLLM plugin)."""
+"""Engines that sample with tokensampler through their own extension points."""

@@ -1,8 +1,8 @@
 """torch.compile switch of the CPU fast path: `TOKENSAMPLER_COMPILE=0` keeps everything eager.
 
-Compiled: full-row reductions (`ops.row_stats` counts and tail masses, the dense route's threshold
-and race passes in `ops.dense`, the logprob normaliser and rank counts in `ops.logprobs`) and the
-dense-route noise block (`ops.gumbel.approx_scores`). Each result is either exact (counts, maxima),
+Compiled: full-row reductions (`row_stats` counts and tail masses, the dense route's threshold
+and race passes in `dense`, the logprob normaliser and rank counts in `logprobs`) and the
+dense-route noise block (`gumbel.approx_scores`). Each result is either exact (counts, maxima),
 a sum of the reference's own values in another order, or carries a proven error bound with an
 exact recheck where it could change the answer, so compiled and eager runs give the same tokens
 (docs/cpu-fast-path.md). Inductor's FX graph cache keeps the compiled artefacts across processes

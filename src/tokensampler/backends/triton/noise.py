@@ -1,6 +1,6 @@
 """`rng.py` inside Triton: the row key, the per-token hash and the Gumbel noise, bit for bit.
 
-The torch definition (`tokensampler.rng`) works on 32-bit words held in int64 tensors; here the
+The torch definition (`tokensampler.core.rng`) works on 32-bit words held in int64 tensors; here the
 words are native uint32, whose multiply wraps mod 2^32 and whose right shift is logical, which is
 exactly the arithmetic `rng.py` emulates. u and g are computed in float64 as in `rng.py`.
 """

@@ -3,8 +3,8 @@
 A float32 value maps to an int64 key with the same order (-0.0 and +0.0 equal), so "the ids whose
 value is >= a threshold" is "the ids whose key is >= x". `search_threshold` finds the x of the
 definition's top-k (counts) or top-p (float64 masses) by a multi-pivot bisection over the keys of
-one row: no sort, ties at the border kept together. Used by `step.select_kernel` and, to rebuild
-the processed scores, by `step.logprobs_kernel`.
+one row: no sort, ties at the border kept together. Used by `kernels.select_kernel` and, to rebuild
+the processed scores, by `kernels.logprobs_kernel`.
 """
 
 from __future__ import annotations
