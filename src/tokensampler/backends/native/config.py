@@ -23,6 +23,8 @@ class NativeConfig:
     candidate_cap: the longest candidate list per row before a row takes the dense route (0: every
       sampled row takes it).
     top_p_head: the sorted prefix of a candidate list searched first for the top-p crossing.
+    top_p_head_chunks: for top-p rows with too many winnable ids for a list, the ids at or above the
+      n-th largest maximum of 64-id chunks are listed first (the kept set is often small even then).
     column_chunk: elements per column chunk of the eager full-row passes (bounds temporaries).
     histogram_bins: bins of the histogram top-p search.
     dense_block: elements per column block of the dense route's noise pass.
@@ -36,6 +38,7 @@ class NativeConfig:
     block_elements: int = 7 << 18  # 12 rows at V = 152k
     candidate_cap: int = 16384
     top_p_head: int = 64
+    top_p_head_chunks: int = 256
     column_chunk: int = 1 << 16
     histogram_bins: int = 4096
     dense_block: int = 1 << 18
@@ -46,8 +49,8 @@ class NativeConfig:
 
     def __post_init__(self) -> None:
         check_bool("NativeConfig.direct_route", self.direct_route)
-        for name in ("block_elements", "top_p_head", "column_chunk", "histogram_bins", "dense_block",
-                     "dense_sample_stride"):
+        for name in ("block_elements", "top_p_head", "top_p_head_chunks", "column_chunk", "histogram_bins",
+                     "dense_block", "dense_sample_stride"):
             check_int(f"NativeConfig.{name}", getattr(self, name), 1)
         for name in ("candidate_cap", "dense_bracket_cap"):
             check_int(f"NativeConfig.{name}", getattr(self, name), 0)

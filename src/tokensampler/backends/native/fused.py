@@ -101,7 +101,17 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     probably_flat = bool((row_stats.estimated_count(z, list_floor) > cap).any())
     if probably_flat and scale is not None and not cols.any_top_k:
         return None  # the caller's block route takes flat rows (they need z / T written out)
-    if not probably_flat:
+    win_lower, head_route = lower, False
+    if probably_flat and cols.any_top_p and not cols.any_top_k and bool((cols.top_p < 1.0).all()):
+        # many winnable ids, but top-p may keep a few: list the head of the row (the ids at or above
+        # the `top_p_head_chunks`-th largest chunk maximum); kept only if the top-p crossing is in it
+        head_lower = torch.maximum(lower, select.head_floor(z, config.top_p_head_chunks))
+        count, tail = row_stats.winnable_count_and_tail(z, z_max, head_lower, None, config)
+        listed = select.gather_candidates(z, head_lower, cap, count=count, config=config)
+        if listed is not None:
+            lower = list_floor = head_lower
+            head_route = True
+    elif not probably_flat:
         if cols.any_top_p and not cols.any_top_k and not cols.any_min_p and bool((cols.top_p < 1.0).all()):
             count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale, config)  # one pass
         listed = select.gather_candidates(z, list_floor, cap, count=count, scale=scale, config=config)
@@ -140,7 +150,10 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
                                                             z, rows, scale, k[rows]))
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
-        tau = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale, config)
+        tau, found = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale,
+                            config)
+        if head_route and not bool(found.all()):  # a kept set reaching below the head: the whole row
+            return _dense_route(z, z_max, win_lower, cols)
     noisy, ids = _kept_only(values.masked_fill(values < tau[:, None], NEG_INF), ids)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
 
@@ -157,9 +170,10 @@ def _kept_only(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
            list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
-           scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT) -> torch.Tensor:
-    """tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the unsorted
-    candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own units).
+           scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tau, found): tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the
+    unsorted candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own
+    units); found: the crossing lies in the list (rows with top_p = 1 count as found).
 
     The total kept mass: from the list when tau lies inside it; when nothing else removed ids, the
     list's mass plus the tail below list_floor (`tail` if given, else `row_stats.tail_mass` for the
@@ -198,7 +212,7 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
     tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
     if exact_threshold:
         tau = _histogram_rows(z, z_max, tau, top_p * total, top_p_rows & ~found, config=config)
-    return tau
+    return tau, found | ~top_p_rows
 
 
 def _sorted_head(values: torch.Tensor, width: int) -> torch.Tensor:

@@ -61,6 +61,18 @@ def top_k_threshold(z: torch.Tensor, top_k: torch.Tensor) -> tuple[torch.Tensor,
     return tau.masked_fill_(top_k <= 0, NEG_INF), values, ids
 
 
+def head_floor(z: torch.Tensor, chunks: int, chunk: int = 64) -> torch.Tensor:
+    """float32 [R]: the `chunks`-th largest of the maxima of each run of `chunk` ids (the last run may
+    be shorter). At least `chunks` ids lie at or above it and, barring ties, at most `chunks` x
+    `chunk`. z: float32 [R, V], finite maxima."""
+    rows, vocab = z.shape
+    main = vocab - vocab % chunk
+    maxima = z[:, :main].unflatten(-1, (main // chunk, chunk)).amax(dim=-1)
+    if main < vocab:
+        maxima = torch.cat([maxima, z[:, main:].amax(dim=-1, keepdim=True)], dim=-1)
+    return torch.topk(maxima, min(chunks, maxima.shape[1]), dim=-1).values[:, -1]
+
+
 def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
                       count: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                       config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:

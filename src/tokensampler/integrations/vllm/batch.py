@@ -1,0 +1,96 @@
+"""`BatchState`: tokensampler's per-slot state attached to vLLM's persistent batch.
+
+Slot s of a `SamplingGenerator` is row s of vLLM's `InputBatch`. Before every step the rows' request
+ids are compared with the ids the slots hold, and the difference becomes the decode contract's
+commands, in this order:
+
+1. `release_slots`: requests that left the batch (finished, preempted, not scheduled this step);
+2. `apply_decode_state(slot_remap=...)`: requests that moved to another row (`condense`, `swap_states`);
+   only the slots that change hands are copied;
+3. `apply_prefill_state`: requests that entered the batch (new, or resumed after preemption with
+   the outputs they already have: their history and position continue from those).
+
+A request's seed, position and penalty counts stay on the device from step to step (O(B) updates by
+the sampled tokens); nothing is rebuilt from token lists except at admission. The comparison is
+O(rows) on the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ...core.output import LogprobsOutput
+from ...engine.batch_params import BatchSamplingParams
+from ...engine.generator import SamplingGenerator
+from .params import to_tokensampler
+
+RequestLookup = Callable[[str], Any]  # request id -> vLLM's CachedRequestState
+
+
+class BatchState:
+    """The tokensampler state of one vLLM persistent batch (`lanes` rows, `vocab_size` logits)."""
+
+    def __init__(self, lanes: int, vocab_size: int, device: torch.device | str, *, logprobs_mode: str,
+                 max_logprobs: int) -> None:
+        self.lanes = lanes
+        self.vocab_size = vocab_size
+        self.generator = SamplingGenerator(vocab_size, max_batch_size=lanes, device=device,
+                                           logprobs_mode=logprobs_mode, max_logprobs=max_logprobs)
+        self.held: list[str | None] = [None] * lanes  # the request id each slot holds
+        self.seeds: dict[str, int] = {}  # request id -> effective seed (drawn for unseeded requests)
+
+    def follow(self, req_ids: Sequence[str | None], lookup: RequestLookup) -> None:
+        """Make slot i hold the request of row i, for every row of the persistent batch."""
+        rows = list(req_ids) + [None] * (self.lanes - len(req_ids))
+        where = {rid: s for s, rid in enumerate(self.held) if rid is not None}
+        gone = [s for s, rid in enumerate(self.held) if rid is not None and rid not in set(rows)]
+        if gone:
+            self.generator.release_slots(gone)
+            for s in gone:
+                self.seeds.pop(self.held[s], None)
+                self.held[s] = None
+        remap = self._remap(rows, where)
+        if remap is not None:
+            self.generator.apply_decode_state(BatchSamplingParams(), reload_sampling_params=False,
+                                              reset_sampling_state=False, slot_remap=remap)
+            self.held = [self.held[j] for j in remap]
+        new = [i for i, rid in enumerate(rows) if rid is not None and self.held[i] != rid]
+        if new:
+            self._admit(new, [rows[i] for i in new], lookup)
+
+    def _remap(self, rows: list[str | None], where: dict[str, int]) -> list[int] | None:
+        """new slot i <- old slot remap[i]: each staying request to its new row, the other slots in order."""
+        remap: list[int | None] = [where.get(rid) if rid is not None else None for rid in rows]
+        taken = {j for j in remap if j is not None}
+        spare = iter(j for j in range(self.lanes) if j not in taken)
+        full = [j if j is not None else next(spare) for j in remap]
+        return None if full == list(range(self.lanes)) else full
+
+    def _admit(self, slots: list[int], req_ids: list[str], lookup: RequestLookup) -> None:
+        requests = [lookup(rid) for rid in req_ids]
+        params = [to_tokensampler(r.sampling_params, self.vocab_size) for r in requests]
+        prompts = [list(r.prompt_token_ids or ()) for r in requests]
+        outputs = [list(r.output_token_ids) for r in requests]
+        seeds = self.generator.apply_prefill_state(
+            sampling_params=BatchSamplingParams.from_requests(params), prompt_tokens=_rows(prompts),
+            empty_slots=slots, output_tokens=_rows(outputs) if any(outputs) else None)
+        for slot, rid, seed in zip(slots, req_ids, seeds):
+            self.held[slot] = rid
+            self.seeds[rid] = seed
+
+    def sample(self, logits: torch.Tensor, record: Sequence[bool]) -> tuple[torch.Tensor, LogprobsOutput | None]:
+        """Sample row b of `logits` for slot b; only rows where `record` is True are counted and advanced."""
+        active = [b for b, keep in enumerate(record) if keep]
+        return self.generator.sample(logits, active_slots=active)
+
+
+def _rows(lists: list[list[int]]) -> torch.Tensor:
+    """Token lists as one int64 [len(lists), max len] tensor, -1 = padding (at least one column)."""
+    width = max([len(ids) for ids in lists] + [1])
+    out = torch.full((len(lists), width), -1, dtype=torch.int64)
+    for i, ids in enumerate(lists):
+        if ids:
+            out[i, :len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return out

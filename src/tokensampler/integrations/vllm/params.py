@@ -1,0 +1,43 @@
+"""vLLM's `SamplingParams` as tokensampler's: every field vLLM's sampler honours, with vLLM's
+conventions mapped onto the definition (docs/semantics.md)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...core.params import SamplingParams
+
+GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
+
+
+def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:
+    """The tokensampler parameters of one vLLM request.
+
+    temperature below 1e-5 is greedy (temperature 0, as vLLM); top_k 0 / -1 / >= V is off; the
+    stop ids active below `min_tokens` are vLLM's `all_stop_token_ids` (EOS unless ignore_eos, and
+    stop_token_ids); bad words come as vLLM tokenised them; the seed is vLLM's (n > 1 children
+    already carry seed + index), None draws a fresh one at admission; logprobs N or -1.
+    """
+    temperature = float(params.temperature)
+    greedy = temperature < GREEDY_BELOW
+    top_k = int(params.top_k or 0)
+    min_tokens = int(params.min_tokens or 0)
+    stop_ids = tuple(sorted(params.all_stop_token_ids)) if min_tokens > 0 else ()
+    bias = {int(t): float(v) for t, v in params.logit_bias.items()} if params.logit_bias else None
+    logprobs = params.logprobs
+    return SamplingParams(
+        temperature=0.0 if greedy else temperature,
+        top_k=0 if greedy or top_k <= 0 or top_k >= vocab_size else top_k,
+        top_p=1.0 if greedy else float(params.top_p),
+        min_p=0.0 if greedy else float(params.min_p),
+        presence_penalty=float(params.presence_penalty),
+        frequency_penalty=float(params.frequency_penalty),
+        repetition_penalty=float(params.repetition_penalty),
+        seed=params.seed,
+        logprobs=None if logprobs is None else int(logprobs),
+        logit_bias=bias,
+        allowed_token_ids=tuple(params.allowed_token_ids) if params.allowed_token_ids else None,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_ids,
+        bad_words_token_ids=[list(w) for w in (params.bad_words_token_ids or ())],
+    )

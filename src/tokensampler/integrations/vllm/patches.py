@@ -1,0 +1,75 @@
+"""The hooks the vLLM plugin installs (once per process, idempotent).
+
+- `GPUModelRunner.__init__` (the CPU runner inherits it): after vLLM builds the runner, its `sampler`
+  is replaced by a `TokenSamplerSampler` bound to the runner.
+- `InputBatch.add_request`: the row's `torch.Generator` is dropped from the persistent batch. vLLM's
+  per-request generators are not used (tokensampler's noise is a pure function of seed, position and
+  token), and vLLM rewinds them for discarded prefill chunks with `set_offset`, which a CPU
+  generator does not support.
+- Speculative decoding is refused at runner construction with one error naming the reason (the
+  acceptance step would not be tokensampler's).
+- On a GPU, vLLM 0.32 picks its Model Runner V2 when Triton is importable; the plugin asks for the
+  V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0` unless set) and refuses a V2 runner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any
+
+from ...core.errors import InvalidEnvironment
+
+_INSTALLED = False
+
+
+def install() -> None:
+    """Install the hooks in this process (a second call does nothing)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    import vllm.v1.worker.gpu_input_batch as input_batch
+    import vllm.v1.worker.gpu_model_runner as runner_module
+
+    from .sampler import TokenSamplerSampler
+
+    runner_init = runner_module.GPUModelRunner.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        runner_init(self, *args, **kwargs)
+        if self.speculative_config is not None:
+            raise InvalidEnvironment("speculative_config", self.speculative_config.method,
+                                     "no speculative decoding with the tokensampler plugin yet: its draft "
+                                     "acceptance would not sample with tokensampler")
+        sampler = TokenSamplerSampler(logprobs_mode=self.model_config.logprobs_mode,
+                                      use_fp64_gumbel=getattr(self.model_config, "use_fp64_gumbel", False))
+        sampler.bind(self)
+        self.sampler = sampler
+
+    add_request = input_batch.InputBatch.add_request
+
+    def add(self: Any, request: Any) -> int:
+        row = add_request(self, request)
+        self.generators.pop(row, None)
+        return row
+
+    runner_module.GPUModelRunner.__init__ = init
+    input_batch.InputBatch.add_request = add
+    _refuse_runner_v2()
+    _INSTALLED = True
+
+
+def _refuse_runner_v2() -> None:
+    """A V2 model runner (GPU) has another sampler interface: refuse it with a clear error."""
+    if importlib.util.find_spec("triton") is None:  # vLLM uses the V2 runner only with Triton
+        return
+    import vllm.v1.worker.gpu.model_runner as v2
+    original = v2.GPUModelRunner.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise InvalidEnvironment("VLLM_USE_V2_MODEL_RUNNER", os.environ.get("VLLM_USE_V2_MODEL_RUNNER"),
+                                 "0: the tokensampler plugin hooks vLLM's V1 model runner")
+
+    init.__wrapped__ = original  # type: ignore[attr-defined]
+    v2.GPUModelRunner.__init__ = init
