@@ -3,6 +3,7 @@ counters) and `TorchExchange`, its form over a torch.distributed process group."
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -41,7 +42,12 @@ class Exchange:
 
 
 class TorchExchange(Exchange):
-    """`Exchange` over a torch.distributed process group (gloo on CPU, NCCL on GPU)."""
+    """`Exchange` over a torch.distributed process group (gloo on CPU, NCCL on GPU).
+
+    The group is held by a weak reference: torch.distributed's registry keeps it alive until
+    `destroy_process_group`, and a sampler must not keep it alive after that (a gloo group freed
+    only at interpreter shutdown aborts the process: "terminate called without an active
+    exception"). A call after the group was destroyed raises `InvalidEnvironment`."""
 
     def __init__(self, group: Any) -> None:
         import torch.distributed as dist
@@ -50,9 +56,18 @@ class TorchExchange(Exchange):
             raise InvalidEnvironment("group", group, "a group of an initialised torch.distributed")
         super().__init__()
         self._dist = dist
-        self.group = group
+        self._group = weakref.ref(group) if group is not None else (lambda: None)
+        self._default = group is None
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+
+    @property
+    def group(self) -> Any:
+        """The process group (None: the default group)."""
+        group = self._group()
+        if group is None and not self._default:
+            raise InvalidEnvironment("group", "destroyed", "a process group that is still initialised")
+        return group
 
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
