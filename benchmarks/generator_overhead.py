@@ -18,10 +18,9 @@ import time
 
 import torch
 
+from tokensampler import Sampler, SamplingParams
 from tokensampler.batch_params import BatchSamplingParams
 from tokensampler.generator import SamplingGenerator
-from tokensampler import SamplingParams
-from tokensampler import Sampler
 
 
 def main() -> None:

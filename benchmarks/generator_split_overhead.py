@@ -83,7 +83,8 @@ def main() -> None:
     sampler, generator = statistics.median(times["sampler"]), statistics.median(times["generator"])
     print("| world | B | V | split Sampler ms/step | split generator ms/step | generator / Sampler |")
     print("|---|---|---|---|---|---|")
-    print(f"| {args.world} | {args.batch} | {args.vocab} | {sampler:.2f} | {generator:.2f} | {generator / sampler:.2f}x |")
+    ratio = generator / sampler
+    print(f"| {args.world} | {args.batch} | {args.vocab} | {sampler:.2f} | {generator:.2f} | {ratio:.2f}x |")
 
 
 if __name__ == "__main__":

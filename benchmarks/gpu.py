@@ -36,8 +36,8 @@ try:
 except ImportError:  # run from a checkout without PYTHONPATH=src
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tokensampler.tools import bench  # noqa: E402
 from tokensampler.backends.triton.config import BACKEND_ENV  # noqa: E402
+from tokensampler.tools import bench  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "gpu.json"
 ARMS = ("copy_floor", "amax_floor", "kernels", "torch_sampler", "sort_pipeline", "flashinfer")

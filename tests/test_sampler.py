@@ -279,3 +279,39 @@ def test_invalid_sampler_construction(field, kwargs):
     with pytest.raises(InvalidSamplingParams) as info:
         Sampler(vocab, **kwargs)
     assert info.value.field == field
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_that_require_grad_give_the_same_tokens(dtype):
+    """A model called outside torch.no_grad() hands over logits that require grad: every route
+    (penalties write and restore, the block route's nan_to_num into its workspace) runs without
+    autograd and gives the detached logits' tokens and logprobs; the logits keep their values."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 300, generator=gen, requires_grad=True)
+    hidden = torch.randn(6, 64, generator=gen)
+    logits = (hidden @ weight * 0.5).to(dtype)  # an autograd graph, as a model's forward leaves it
+    logits.retain_grad()
+    assert logits.requires_grad
+    before = logits.detach().clone()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, repetition_penalty=1.3, seed=1),
+              SamplingParams(temperature=0.0, presence_penalty=0.5, frequency_penalty=0.3),
+              SamplingParams(temperature=1.0, top_k=20, min_p=0.05, logit_bias={3: 4.0}, seed=2, logprobs=3),
+              SamplingParams(temperature=0.7, allowed_token_ids=(1, 5, 9), seed=3),
+              SamplingParams(temperature=1.2, seed=4, logprobs=2),
+              SamplingParams(temperature=0.9, top_p=0.5, min_tokens=2, stop_token_ids=(0,), seed=5)]
+    histories = [[1, 2, 3, 2], [4, 4, 5], [6], [1, 5], [7, 8], [9]]
+
+    def run(x):
+        sampler = Sampler(300, max_slots=6, max_logprobs=5)
+        for slot, (p, h) in enumerate(zip(params, histories)):
+            sampler.add_request(slot, p, h[:1], output_token_ids=h[1:])
+        return [sampler.sample(x) for _ in range(3)]
+
+    with_grad, detached = run(logits), run(logits.detach().clone())
+    for got, want in zip(with_grad, detached):
+        assert torch.equal(got.token_ids, want.token_ids)
+        assert torch.equal(got.logprobs.token_logprobs, want.logprobs.token_logprobs)
+        assert not got.token_ids.requires_grad and not got.logprobs.token_logprobs.requires_grad
+    assert torch.equal(logits.detach(), before)
+    one = sample(logits, params[0])  # the stateless form too
+    assert torch.equal(one.token_ids, sample(logits.detach(), params[0]).token_ids)

@@ -11,7 +11,7 @@ noise comes from `rng.gumbel`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
@@ -33,6 +33,36 @@ class ReferenceRequest:
     output_token_ids: Sequence[int] = ()
     stream: int = 0
     eos_token_ids: Sequence[int] = field(default_factory=tuple)
+
+
+def bitmask_allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> list[set[int]]:
+    """The ids each row of an xgrammar-layout bitmask allows, one Python test per id.
+
+    Parameters
+    ----------
+    bitmask: int32 [B, W], W >= ceil(vocab_size / 32): bit j (least significant first) of word w
+        allows id 32 w + j; the int32 holds the bit pattern (bit 31 is the sign bit).
+    vocab_size: V; bits of ids >= V are ignored.
+
+    Returns
+    -------
+    One set of allowed ids (each < V) per row."""
+    rows = []
+    for words in bitmask.detach().to("cpu").tolist():
+        rows.append({i for i in range(vocab_size) if (words[i // 32] & 0xFFFFFFFF) >> (i % 32) & 1})
+    return rows
+
+
+def bad_word_ids(params: SamplingParams, output_token_ids: Sequence[int]) -> set[int]:
+    """The ids the bad words remove after this output (vLLM's rule): a one-token word always; a
+    longer word its last token when the output ends with its other tokens."""
+    out = list(output_token_ids)
+    removed = set()
+    for word in params.bad_words_token_ids:
+        prefix = list(word[:-1])
+        if len(prefix) <= len(out) and out[len(out) - len(prefix):] == prefix:
+            removed.add(word[-1])
+    return removed
 
 
 def _mass_and_count_above(z: torch.Tensor, p: torch.Tensor, kept: torch.Tensor):
@@ -63,13 +93,14 @@ def _log_softmax(z: torch.Tensor) -> torch.Tensor:
 
 
 def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vocab_size: int,
-                         logprobs_mode: str = "raw_logprobs"):
+                         logprobs_mode: str = "raw_logprobs", step_allowed: Collection[int] | None = None):
     """The definition for one row, one step per block.
 
     Parameters
     ----------
     logits_row: [Vp], any float dtype, any device. request: its parameters, history and noise
     coordinates. vocab_size: V (ids >= V are padding). logprobs_mode: which values step 2 / 12 return.
+    step_allowed: this step's allowed ids (the call's token bitmask row), None = no such constraint.
 
     Returns
     -------
@@ -87,11 +118,18 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
         lp_values = (raw.clone(), _log_softmax(raw))
     elif logprobs_mode == "raw_logits":
         lp_values = (raw.clone(), raw.clone())
-    # 3. allowed ids; stop and EOS ids while fewer than min_tokens were generated
+    # 3. allowed ids, the step's token bitmask, bad words; stop and EOS ids while fewer than
+    # min_tokens were generated
     if params.allowed_token_ids is not None:
         keep = torch.zeros(vocab_size, dtype=torch.bool)
         keep[list(params.allowed_token_ids)] = True
         z[~keep] = NEG_INF
+    if step_allowed is not None:
+        keep = torch.zeros(vocab_size, dtype=torch.bool)
+        keep[[i for i in step_allowed if i < vocab_size]] = True
+        z[~keep] = NEG_INF
+    for token in bad_word_ids(params, request.output_token_ids):
+        z[token] = NEG_INF
     if len(request.output_token_ids) < params.min_tokens:
         for token in (*params.stop_token_ids, *request.eos_token_ids):
             z[token] = NEG_INF
@@ -132,7 +170,7 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
         # 9. top-k: fewer than k kept ids with a strictly larger z (ties at the border stay)
         if params.top_k > 0:
             _, count_above = _mass_and_count_above(z, p, kept)
-            kept &= count_above < params.top_k
+            kept &= count_above < min(params.top_k, vocab_size)  # a k beyond int64 keeps every id too
         # 10. top-p: mass (renormalised over kept ids) of strictly larger z is < top_p
         if params.top_p < 1.0:
             mass_above, _ = _mass_and_count_above(z, p, kept)
@@ -153,8 +191,11 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
 
 
 def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest], *,
-                     vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs") -> SamplerOutput:
+                     vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
+                     allowed: Sequence[Collection[int] | None] | None = None) -> SamplerOutput:
     """The definition (docs/semantics.md) for a batch: row b of `logits` ([B, Vp]) belongs to `requests[b]`.
+
+    allowed: this step's allowed ids per row (a token bitmask as sets, `bitmask_allowed_ids`), or None.
 
     Returns a CPU `SamplerOutput`; logprobs follow the same conventions as `Sampler.sample`
     (ranks and the top-N order are taken on the values before rounding to logprobs: value, then id).
@@ -162,7 +203,9 @@ def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest],
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: allowed {LOGPROBS_MODES}")
     vocab = logits.shape[-1] if vocab_size is None else vocab_size
-    rows = [reference_sample_row(logits[b], req, vocab, logprobs_mode) for b, req in enumerate(requests)]
+    step_allowed = [None] * len(requests) if allowed is None else list(allowed)
+    rows = [reference_sample_row(logits[b], req, vocab, logprobs_mode, step_allowed[b])
+            for b, req in enumerate(requests)]
     tokens = torch.tensor([row[0] for row in rows], dtype=torch.int64)
     valid = torch.tensor([row[1] for row in rows], dtype=torch.bool)
     asked = [req.params.logprobs for req in requests if req.params.logprobs is not None]

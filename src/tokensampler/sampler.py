@@ -24,13 +24,14 @@ from .backends import Backends
 from .backends.native.config import NativeConfig
 from .backends.triton.config import KernelConfig
 from .core import rng
-from .core.checks import check_int, check_logits, check_token_ids, int_list, is_int
-from .core.constants import INT64_MIN, LOGPROBS_MODES, POSITION_LIMIT, UINT64_MAX
-from .core.errors import InvalidSamplingParams, SplitMismatch
-from .core.output import SamplerOutput
+from .core.checks import as_list, check_choice, check_device, check_int, check_logits, check_token_ids, int_list, is_int
+from .core.constants import INT64_MIN, LOGITS_DTYPES, LOGPROBS_MODES, POSITION_LIMIT, UINT64_MAX
+from .core.errors import InvalidSamplingParams, SplitMismatch, UnsupportedOnSplit
+from .core.output import SamplerOutput, SpeculativeOutput
 from .core.params import SamplingParams, check_params_for_vocab
 from .core.plan import StepPlan, plan_step
 from .parallel.agreement import Agreement, fingerprint, params_key
+from .speculative import SPECULATIVE_MODES, STREAM_LIMIT, check_target_stages, verify_match, verify_rejection
 from .state import SamplerState, VocabLayout
 
 
@@ -53,7 +54,7 @@ class Sampler:
                  padded_vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
                  max_logprobs: int = 20, eos_token_ids: Sequence[int] = (), group: Any = None,
                  native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None) -> None:
-        self.device = torch.device(device)
+        self.device = check_device("device", device)
         self.agreement = Agreement.over(group, self.device)
         world = self.agreement.world_size
 
@@ -65,11 +66,14 @@ class Sampler:
                 raise InvalidSamplingParams("padded_vocab_size", padded_vocab_size, f"None or an int >= {vocab_size}")
             if padded % world:
                 raise InvalidSamplingParams("padded_vocab_size", padded, f"a multiple of the group size {world}")
-            if logprobs_mode not in LOGPROBS_MODES:
-                raise InvalidSamplingParams("logprobs_mode", logprobs_mode, f"one of {LOGPROBS_MODES}")
+            check_choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
             check_int("max_logprobs", max_logprobs, 0)
             eos = int_list("eos_token_ids", eos_token_ids)
             check_token_ids("eos_token_ids", eos, vocab_size)
+            for name, config, kind in (("native_config", native_config, NativeConfig),
+                                       ("kernel_config", kernel_config, KernelConfig)):
+                if config is not None and not isinstance(config, kind):
+                    raise InvalidSamplingParams(name, config, f"None or a {kind.__name__}")
             return vocab_size, padded, max_slots, logprobs_mode, max_logprobs, tuple(eos)
 
         # every rank builds the same sampler, or every rank raises (one all-gather, before any state)
@@ -119,7 +123,12 @@ class Sampler:
         return prompt, outputs, position
 
     def set_params(self, slot: int, params: SamplingParams) -> None:
-        """Replace the parameters of an occupied `slot`, keeping its seed, position and history."""
+        """Replace the parameters of an occupied `slot`, keeping its seed, position and history.
+
+        Bad words read the slot's latest output tokens, which the state keeps only as deep as the
+        longest bad word admitted so far (less one): new, longer bad words match only against the
+        tokens kept (a token not kept counts as no match) until `reset_history` (or a new
+        `add_request` with the outputs) rebuilds them."""
         def check() -> SamplingParams:
             self._check_occupied(slot)
             if not isinstance(params, SamplingParams):
@@ -143,7 +152,8 @@ class Sampler:
 
     def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
                       output_token_ids: torch.Tensor | None) -> None:
-        """Rebuild the penalty history of occupied slots from `[len(slots), S]` ids, -1 = padding.
+        """Rebuild the penalty history of occupied slots from `[len(slots), S]` ids, -1 = padding
+        (and the latest output tokens their bad words read).
 
         prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
         (and the output length that min_tokens counts).
@@ -155,7 +165,8 @@ class Sampler:
     def _check_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
                      streams: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
         """The checked (slots, seeds, positions, streams) of `set_noise`, as lists."""
-        slots, seeds, positions, streams = (list(v) for v in (slots, seeds, positions, streams))
+        slots, seeds, positions, streams = (int_list(name, v) for name, v in (
+            ("slots", slots), ("seeds", seeds), ("positions", positions), ("streams", streams)))
         for slot in slots:
             self._check_occupied(slot)
         if not len(slots) == len(seeds) == len(positions) == len(streams):
@@ -172,15 +183,17 @@ class Sampler:
                        output_token_ids: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(slot index, prompt ids, output ids) of `reset_history`: int64 on the device, global ids."""
+        slots = int_list("slots", slots)
         for slot in slots:
             self._check_occupied(slot)
         tensors = []
         for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
             if ids is not None:
                 if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != len(slots) \
-                        or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+                        or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool \
+                        or ids.device.type == "meta":
                     raise InvalidSamplingParams(name, getattr(ids, "shape", ids),
-                                                f"an integer tensor [{len(slots)}, S] (-1 = padding)")
+                                                f"an integer tensor [{len(slots)}, S] (-1 = padding) that holds data")
                 ids = ids.to(device=self.device, dtype=torch.int64)
                 if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.vocab_size):
                     raise InvalidSamplingParams(name, (int(ids.min()), int(ids.max())),
@@ -209,8 +222,9 @@ class Sampler:
         return self.state.params[slot]
 
     # ---------------------------------------------------------------- the step
+    @torch.no_grad()  # never needs autograd: logits that require grad give the same tokens
     def sample(self, logits: torch.Tensor, slots: Sequence[int] | torch.Tensor | None = None, *,
-               record: torch.Tensor | None = None) -> SamplerOutput:
+               record: torch.Tensor | None = None, token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample one token for each row of `logits` ([B, padded_vocab_size], fp32/fp16/bf16; on a
         split, this rank's slice [B, padded_vocab_size / world]).
 
@@ -218,24 +232,135 @@ class Sampler:
         slot's history and the slot's position advances by one.
         record: optional bool [B] on the sampler's device; rows where it is False are sampled but
         neither counted nor advanced (their slot's state is left as it was).
-        Returns fresh tensors (none aliases a buffer a later step writes).
+        token_bitmask: optional int32 [B, W >= ceil(vocab_size / 32)] on the logits' device, in
+        xgrammar's layout (bit j of word w, least significant first, allows id 32 w + j; bit 31 is
+        the sign bit): for this step only, every id whose bit is 0 is removed, like
+        allowed_token_ids (step 3 of docs/semantics.md); bits of ids >= vocab_size are ignored. On a
+        split every rank passes the whole mask and reads the bits of its own columns.
+        The returned tensors are valid until the next call (a backend may return views of buffers
+        it reuses: copy what you keep; see `backends.base`).
         `logits` holds the same values after the call, but may serve as scratch during it (on a
-        CPU, penalised values are written at the seen ids and restored): do not read it from
+        CPU, penalised values and bad words are written at their ids and restored): do not read it from
         another thread while `sample` runs.
         """
-        plan = self._check_step(logits, slots, record)
+        plan = self._check_step(logits, slots, record, token_bitmask)
         if plan.batch == 0:
             return SamplerOutput(torch.empty(0, dtype=torch.int64, device=self.device),
                                  torch.empty(0, dtype=torch.bool, device=self.device), None)
-        return self.backends.choose(logits, plan).run(logits, plan, record)
+        return self.backends.choose(logits, plan).run(logits, plan, record, token_bitmask)
+
+    @torch.no_grad()  # never needs autograd: logits that require grad give the same tokens
+    def sample_speculative(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
+                           draft_probs: torch.Tensor | None = None,
+                           slots: Sequence[int] | torch.Tensor | None = None, mode: str | None = None,
+                           record: torch.Tensor | None = None) -> SpeculativeOutput:
+        """Verify K drafted tokens per row against the target's logits (docs/speculative.md).
+
+        Parameters
+        ----------
+        target_logits: [B, K+1, padded_vocab_size], fp32/fp16/bf16 (on a split, this rank's slice
+            [B, K+1, padded_vocab_size / world]); position j of row b holds the target's logits for
+            the token at position pos_b + j (pos_b: the slot's position); index K is the bonus position.
+        draft_token_ids: integer [B, K] (any device), ids in [0, vocab_size); -1 = no draft from
+            there on (shorter rows pad with -1; K may be 0). Checked with one read of its min and max.
+        draft_probs: optional float [B, K, padded_vocab_size] (fp16/bf16/fp32/fp64, on the sampler's
+            device): the draft's distribution at each drafted position.
+        slots: row b belongs to `slots[b]` (default 0..B-1).
+        mode: "match" (default without draft_probs): the canonical token at each position, emitted
+            while the draft equals it, exactly the tokens `sample` gives step by step; "rejection"
+            (default with draft_probs): speculative sampling, accept x with probability
+            min(1, p(x) / q(x)), else a token of the residual max(p - q, 0).
+        record: optional bool [B] on the sampler's device; rows where it is False are verified but
+            neither counted nor advanced.
+
+        Returns
+        -------
+        SpeculativeOutput: token_ids int64 [B, K+1] (-1 after the last emitted token), num_emitted
+        int64 [B] (>= 1), valid bool [B, K+1], logprobs per position when rows ask for them. Each
+        emitted token is counted into its slot's history and the slot's position advances by
+        num_emitted. Every check (shapes, dtypes, draft ids in [-1, vocab_size), the mode) is done
+        before any state changes; rejection mode on a vocabulary split raises `UnsupportedOnSplit`.
+        """
+        mode, drafts = self.agreement.check("sample_speculative", lambda: self._check_speculative(
+            target_logits, draft_token_ids, draft_probs, mode))
+        plan = self._check_step(target_logits[:, 0], slots, record)
+        positions = target_logits.shape[1]
+        if plan.batch == 0:
+            return SpeculativeOutput(torch.full((0, positions), -1, dtype=torch.int64, device=self.device),
+                                     torch.zeros(0, dtype=torch.int64, device=self.device),
+                                     torch.ones((0, positions), dtype=torch.bool, device=self.device), None)
+        if mode == "match":
+            return verify_match(self.backends, target_logits, drafts, plan, record)
+        check_target_stages(plan)
+        index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
+        stream = int(self.state.stream[index].max())
+        if stream >= STREAM_LIMIT:
+            raise InvalidSamplingParams("stream", stream, "streams below 2^30 in mode='rejection' (streams "
+                                        "from 2^30 up are the reserved noise streams of the verification)")
+        return verify_rejection(self.backends, target_logits, drafts, draft_probs, plan, record)
+
+    def _check_speculative(self, target_logits: Any, draft_token_ids: Any, draft_probs: Any,
+                           mode: Any) -> tuple[str, torch.Tensor]:
+        """`sample_speculative`'s own checks (no state change): (mode, drafts as int64 on the device)."""
+        layout = self.layout
+        width = layout.columns
+        what = " (this rank's slice)" if layout.split else ""
+        if mode is None:
+            mode = "match" if draft_probs is None else "rejection"
+        check_choice("mode", mode, SPECULATIVE_MODES, f"None or one of {SPECULATIVE_MODES}")
+        if mode == "rejection" and layout.split:
+            raise UnsupportedOnSplit("mode", "rejection", "mode='match' on a vocabulary split (rejection needs "
+                                     "each row's whole filtered distribution on one rank)")
+        if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3 or target_logits.shape[1] < 1:
+            raise InvalidSamplingParams("target_logits", getattr(target_logits, "shape", target_logits),
+                                        f"a 3-d tensor [B, K+1, {width}]{what}, K >= 0")
+        batch, positions, columns = target_logits.shape
+        if columns != width:
+            raise InvalidSamplingParams("target_logits.shape[2]", columns, f"the padded vocabulary size {width}{what}")
+        if target_logits.dtype not in LOGITS_DTYPES:
+            raise InvalidSamplingParams("target_logits.dtype", target_logits.dtype, "float32, float16 or bfloat16")
+        if target_logits.device != self.device and not (target_logits.device.type == self.device.type == "cuda"):
+            raise InvalidSamplingParams("target_logits.device", target_logits.device,
+                                        f"the sampler's device {self.device}")
+        drafts_shape = (batch, positions - 1)
+        ids = draft_token_ids
+        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != drafts_shape or ids.dtype.is_floating_point \
+                or ids.dtype.is_complex or ids.dtype == torch.bool or ids.device.type == "meta":
+            raise InvalidSamplingParams("draft_token_ids", getattr(ids, "shape", ids),
+                                        f"an integer tensor of shape {drafts_shape} (-1 = no draft)")
+        drafts = ids.to(device=self.device, dtype=torch.int64)
+        if drafts.numel():
+            low, high = torch.stack([drafts.min(), drafts.max()]).tolist()
+            if low < -1 or high >= self.vocab_size:
+                raise InvalidSamplingParams("draft_token_ids", low if low < -1 else high,
+                                            f"token ids in [0, {self.vocab_size}), or -1 (no draft from there on)")
+        if draft_probs is not None:
+            if mode == "match":
+                raise InvalidSamplingParams("draft_probs", "a tensor", "None in mode='match' (it compares tokens)")
+            probs_shape = (batch, positions - 1, width)
+            if not isinstance(draft_probs, torch.Tensor) or tuple(draft_probs.shape) != probs_shape \
+                    or draft_probs.dtype not in LOGITS_DTYPES + (torch.float64,):
+                raise InvalidSamplingParams("draft_probs", getattr(draft_probs, "shape", draft_probs),
+                                            f"None or a float16/bfloat16/float32/float64 tensor of shape {probs_shape}")
+            if draft_probs.device != target_logits.device:
+                raise InvalidSamplingParams("draft_probs.device", draft_probs.device,
+                                            f"the device of target_logits ({target_logits.device})")
+        return mode, drafts
 
     @property
     def workspace_bytes(self) -> int:
         """Host bytes the CPU step keeps between calls (its block workspace; 0 if it never ran)."""
         return self.backends.native.workspace_bytes
 
+    def warmup(self) -> dict:
+        """Compile (or load from inductor's on-disk cache) every graph the torch step can need, for
+        every batch size and parameter mix, so that no later `sample` call compiles anything or
+        stalls (`backends.native.warmup`). Changes no state of this sampler. Returns {"seconds",
+        "steps"}; nothing to do without torch.compile (TOKENSAMPLER_COMPILE=0) or on a split."""
+        return self.backends.warmup()
+
     # ---------------------------------------------------------------- checks
-    def _check_step(self, logits: Any, slots: Any, record: Any) -> StepPlan:
+    def _check_step(self, logits: Any, slots: Any, record: Any, token_bitmask: Any = None) -> StepPlan:
         """Local checks, then (on a split) one all-gather of (batch, width, a digest of the rows):
         every rank raises if any rank failed or the ranks disagree. Returns the step's plan."""
         layout, shared = self.layout, self.agreement.shared
@@ -250,12 +375,15 @@ class Sampler:
                 check_logits(logits, layout.columns, self.device)
                 slot_list = self._check_slots(slots, batch)
                 self._check_record(record, len(slot_list))
+                self._check_bitmask(token_bitmask, logits)
                 recorded = None if record is None or not shared else record.tolist()
         except Exception as exc:  # noqa: BLE001 - re-raised by the agreement, so no rank is left waiting
             if not shared:
                 raise
             error, slot_list = exc, []
-        digest = fingerprint([self._row_key(s) for s in slot_list], str(logits.dtype), recorded) \
+        masked = tuple(token_bitmask.shape) if isinstance(token_bitmask, torch.Tensor) else None  # checked, or
+        # unchecked (a width mismatch, raised below): then it must not fail here
+        digest = fingerprint([self._row_key(s) for s in slot_list], str(logits.dtype), recorded, masked) \
             if shared and error is None else 0
         rows = self.agreement.gather(error, [batch, width, digest])
         batches, widths, digests = ([row[i] for row in rows] for i in range(3))
@@ -275,10 +403,10 @@ class Sampler:
         slot_list = list(range(batch)) if slots is None else int_list("slots", slots)
         if len(slot_list) != batch:
             raise InvalidSamplingParams("slots", slot_list, f"{batch} slots, one per logits row")
-        if len(set(slot_list)) != len(slot_list):
-            raise InvalidSamplingParams("slots", slot_list, "distinct slots")
         for slot in slot_list:
             self._check_occupied(slot)
+        if len(set(slot_list)) != len(slot_list):
+            raise InvalidSamplingParams("slots", slot_list, "distinct slots")
         return slot_list
 
     def _row_key(self, slot: int) -> int:
@@ -291,6 +419,23 @@ class Sampler:
             cached = (params, fingerprint(params_key(params)))
             self._row_keys[id(params)] = cached
         return fingerprint(slot, cached[1], self.state.seeds[slot])
+
+    def _check_bitmask(self, token_bitmask: Any, logits: torch.Tensor) -> None:
+        """None, or an int32 [B, W >= ceil(V / 32)] tensor on the logits' device."""
+        if token_bitmask is None:
+            return
+        batch, words = logits.shape[0], -(-self.vocab_size // 32)
+        if not isinstance(token_bitmask, torch.Tensor):
+            raise InvalidSamplingParams("token_bitmask", type(token_bitmask).__name__,
+                                        f"None or an int32 tensor [{batch}, >= {words}]")
+        if token_bitmask.dtype != torch.int32:
+            raise InvalidSamplingParams("token_bitmask.dtype", token_bitmask.dtype, "torch.int32 (xgrammar's layout)")
+        if token_bitmask.dim() != 2 or token_bitmask.shape[0] != batch or token_bitmask.shape[1] < words:
+            raise InvalidSamplingParams("token_bitmask.shape", tuple(token_bitmask.shape),
+                                        f"[{batch}, W] with W >= ceil(vocab_size / 32) = {words}")
+        if token_bitmask.device != logits.device:
+            raise InvalidSamplingParams("token_bitmask.device", token_bitmask.device,
+                                        f"the logits' device {logits.device}")
 
     def _check_record(self, record: torch.Tensor | None, batch: int) -> None:
         if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
@@ -307,7 +452,7 @@ class Sampler:
             raise InvalidSamplingParams("slot", slot, "a slot holding a request (add_request first)")
 
     def _token_list(self, name: str, ids: Sequence[int] | torch.Tensor) -> list[int]:
-        out = ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+        out = int_list(name, ids)
         check_token_ids(name, out, self.vocab_size)
         return out
 
@@ -315,7 +460,7 @@ class Sampler:
 def _per_row(name: str, value: Any, batch: int) -> list:
     if value is None:
         return [()] * batch
-    rows = list(value)
+    rows = as_list(name, value, f"None or a sequence with one entry per logits row ({batch})")
     if len(rows) != batch:
         raise InvalidSamplingParams(name, f"{len(rows)} rows", f"one entry per logits row ({batch})")
     return rows
@@ -325,7 +470,8 @@ def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParam
            prompt_token_ids: Sequence[Sequence[int]] | None = None,
            output_token_ids: Sequence[Sequence[int]] | None = None,
            positions: Sequence[int] | None = None, vocab_size: int | None = None,
-           logprobs_mode: str = "raw_logprobs", eos_token_ids: Sequence[int] = ()) -> SamplerOutput:
+           logprobs_mode: str = "raw_logprobs", eos_token_ids: Sequence[int] = (),
+           token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` ([B, Vp]) with no state kept between calls: equal to a
     fresh `Sampler` holding the rows.
 
@@ -334,11 +480,18 @@ def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParam
     positions: per-row position of the token sampled (default: prompt + output length).
     vocab_size: the real vocabulary (default Vp: no padding).
     Unseeded rows draw a fresh seed, as `Sampler.add_request` does.
+    token_bitmask: optional int32 [B, W >= ceil(V / 32)] (xgrammar's layout), as in `Sampler.sample`.
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise InvalidSamplingParams("logits", getattr(logits, "shape", logits), "a 2-d tensor [B, Vp]")
     batch, padded = logits.shape
-    rows = [params] * batch if isinstance(params, SamplingParams) else _per_row("params", params, batch)
+    if isinstance(params, SamplingParams):
+        rows = [params] * batch
+    else:
+        allowed = f"a SamplingParams, or a sequence of them with one per logits row ({batch})"
+        rows = as_list("params", params, allowed)
+        if len(rows) != batch or not all(isinstance(p, SamplingParams) for p in rows):
+            raise InvalidSamplingParams("params", params, allowed)
     prompts = _per_row("prompt_token_ids", prompt_token_ids, batch)
     outputs = _per_row("output_token_ids", output_token_ids, batch)
     pos = [None] * batch if positions is None else _per_row("positions", positions, batch)
@@ -347,4 +500,4 @@ def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParam
                       max_logprobs=max([p.logprobs or 0 for p in rows] + [20]), eos_token_ids=eos_token_ids)
     for b in range(batch):
         sampler.add_request(b, rows[b], prompts[b], output_token_ids=outputs[b], position=pos[b])
-    return sampler.sample(logits)
+    return sampler.sample(logits, token_bitmask=token_bitmask)

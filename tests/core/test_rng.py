@@ -137,3 +137,61 @@ def test_the_statistical_checks_can_fail():
     a, b = bad[:-1].numpy(), bad[1:].numpy()
     joint = np.histogram2d(a, b, bins=8, range=[[0, 1], [0, 1]])[0].ravel()
     assert stats.chisquare(joint).pvalue < 1e-4
+
+
+def test_int32_word_forms_are_bit_identical_to_the_definition():
+    """`to_int32_words`, `hash32_words` (default, copying and in-place forms) and `uniform_index_words`:
+    the fast path's int32 forms of the int64 words, on the edge words and on random ones."""
+    gen = torch.Generator().manual_seed(2026)
+    words = torch.cat([torch.tensor([0, 1, 2**31 - 1, 2**31, 2**31 + 1, 2**32 - 1, rng.KEY_SALT]),
+                       torch.randint(0, 2**32, (4096,), generator=gen, dtype=torch.int64)])
+    w32 = rng.to_int32_words(words)
+    assert w32.dtype == torch.int32
+    assert w32.tolist() == [w - (1 << 32) if w >= 1 << 31 else w for w in words.tolist()]
+    want = rng.hash32(words)
+    assert want.tolist()[:7] == [_py_triple32(w) for w in words.tolist()[:7]]
+    for kwargs in ({}, {"in_place": False}, {"in_place": True}):
+        x = w32.clone()
+        got = rng.hash32_words(x, **kwargs)
+        assert got.dtype == torch.int32 and torch.equal(got.to(torch.int64) & M32, want), kwargs
+        assert torch.equal(x, w32) != kwargs.get("in_place", False), kwargs  # only in_place overwrites x
+    index = rng.uniform_index_words(rng.to_int32_words(want))
+    assert torch.equal(index.to(torch.int64), want >> 8)
+
+
+def test_gumbel_is_the_transform_of_u_at_every_coordinate():
+    """g = float32(-log(-log(U))) with all four coordinates, the stream included."""
+    tokens = torch.arange(4096)
+    for seed, position, stream in ((5, 0, 0), (2**64 - 3, 77, 1), (-9, 2**33 + 5, 6)):
+        u = rng.U(seed, position, tokens, stream)
+        assert torch.equal(rng.gumbel(seed, position, tokens, stream), (-torch.log(-torch.log(u))).to(torch.float32))
+    assert not torch.equal(rng.gumbel(5, 0, tokens, 0), rng.gumbel(5, 0, tokens, 1))
+
+
+def test_noise_is_computed_on_the_device_of_the_seed():
+    """Int and CPU-tensor coordinates follow a seed tensor's device (meta here: only shapes)."""
+    seed = torch.tensor([[5], [6]], device="meta")
+    for fn in (rng.U, rng.gumbel):
+        for position, stream in ((3, 0), (torch.tensor([[9], [10]]), torch.tensor([[0], [2]]))):
+            out = fn(seed, position, torch.arange(8), stream)
+            assert out.device.type == "meta" and out.shape == (2, 8)
+    assert rng.row_key(seed, torch.tensor([[9], [10]])).device.type == "meta"
+
+
+def test_coordinates_of_any_integer_dtype_give_the_same_noise():
+    """int32 / int16 tensors (and the default stream 0) give the bits of the int64 coordinates."""
+    tokens = torch.arange(0, 30000, 7)
+    want = rng.U(-5, 2**31 - 3, tokens, 3)
+    for dtype in (torch.int32, torch.int16):
+        got = rng.U(torch.tensor(-5, dtype=torch.int32), torch.tensor(2**31 - 3, dtype=torch.int32),
+                    tokens.to(dtype), torch.tensor(3, dtype=dtype))
+        assert torch.equal(got, want), dtype
+    key = rng.row_key(-5, 11)
+    assert torch.equal(key, rng.row_key(-5, 11, 0))
+    assert torch.equal(rng.random_bits(key, tokens.to(torch.int32)), rng.random_bits(key, tokens))
+
+
+def test_fresh_seeds_are_distinct_63_bit_ints():
+    seeds = [rng.fresh_seed() for _ in range(256)]
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert len(set(seeds)) == 256

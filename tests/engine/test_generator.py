@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from support.engine import EOS, Engine
+from tests.support.engine import EOS, Engine
 from tokensampler import InvalidSamplingParams, InvalidSlotRemap, Sampler, SamplingParams, SeedManager
 from tokensampler.engine.batch_params import (
     PADDING_LANE,

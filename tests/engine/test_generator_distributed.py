@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import support.engine_split_cases as gc
-import support.split_cases as dc
+import tests.support.engine_split_cases as gc
+import tests.support.split_cases as dc
 from tokensampler import (
     InvalidSamplingParams,
     InvalidSlotRemap,

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from support.engine import Engine
+from tests.support.engine import Engine
 from tokensampler import Sampler, SamplingParams, StaleSamplingState
 from tokensampler.engine.batch_params import BatchSamplingParams, format_sampling_params
 

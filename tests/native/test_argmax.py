@@ -30,3 +30,10 @@ def test_the_maximum_in_the_tail_block_and_at_block_borders():
     x[1, 1023] = x[1, 1024] = 2.0  # a tie across a block border: the first wins
     x[2, 3000] = x[2, 4990] = 3.0  # the tail window overlaps an earlier block holding the max
     assert first_argmax(x, block=1024).tolist() == [4999, 1023, 3000]
+
+
+def test_rows_with_a_strided_last_dim_fall_back_to_argmax():
+    x = torch.round(torch.randn(2, 3 * 6000, generator=torch.Generator().manual_seed(1)) * 1.5)
+    for step in (2, 3):
+        view = x[:, ::step]  # stride(-1) = step: no blocked view of the row
+        assert torch.equal(first_argmax(view), view.argmax(dim=-1))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.runs import run_reference, run_sampler
+from tests.support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
 from tokensampler.backends.native import dense, gumbel, select
 from tokensampler.backends.native.config import NativeConfig

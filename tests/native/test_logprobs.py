@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from support.runs import MODES, assert_close_logprobs, assert_same_output, run_reference, run_sampler
+from tests.support.runs import MODES, assert_close_logprobs, assert_same_output, run_reference, run_sampler
 from tokensampler import SamplingParams
 from tokensampler.backends.native import logprobs
 from tokensampler.core.order import value_id_keys

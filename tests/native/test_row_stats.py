@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from support.runs import run_reference, run_sampler
+from tests.support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
 from tokensampler.backends.native import row_stats
 
@@ -83,3 +83,18 @@ def test_uncertain_top_p_rows_get_the_exact_mass(checked, monkeypatch):
         assert torch.equal(want.logprobs.top_logprobs, got.logprobs.top_logprobs)
     else:
         assert kept == {0, 1, 2, 3}
+
+
+def test_eager_count_and_tail_split_the_row_at_the_floor():
+    """Ids at the floor are counted, not in the tail; with `scale` the rows are read as z * scale."""
+    z = torch.tensor([[0.0, -1.0, -2.0, -3.0, NEG_INF], [1.0, -0.5, -0.5, -4.0, -8.0]])
+    z_max, floor = z.amax(dim=-1), torch.tensor([-2.0, -0.5])
+    p = torch.exp(z - z_max[:, None])
+    want = torch.where(z < floor[:, None], p, 0.0).to(torch.float64).sum(dim=-1)
+    half = torch.tensor([0.5, 0.5])
+    for tail in (row_stats.tail_mass(z, z_max, floor), row_stats.tail_mass(z * 0.5, z_max, floor * 0.5, half),
+                 row_stats.winnable_count_and_tail(z, z_max, floor)[1],
+                 row_stats.winnable_count_and_tail(z * 0.5, z_max, floor * 0.5, half)[1]):
+        assert torch.allclose(tail, want, rtol=1e-12, atol=0.0), tail
+    assert row_stats.winnable_count(z, floor).tolist() == [3, 3]
+    assert row_stats.winnable_count_and_tail(z * 0.5, z_max, floor * 0.5, half)[0].tolist() == [3, 3]

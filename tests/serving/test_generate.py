@@ -14,7 +14,7 @@ pytest.importorskip("transformers", reason="the [hf] extra (transformers, tokeni
 
 import torch  # noqa: E402
 
-from support.hf_checkpoint import TINY_GENERATION_CONFIG, build_tiny_checkpoint  # noqa: E402
+from tests.support.hf_checkpoint import TINY_GENERATION_CONFIG, build_tiny_checkpoint  # noqa: E402
 from tokensampler import InvalidSamplingParams  # noqa: E402
 from tokensampler.core.plan import plan_step  # noqa: E402
 from tokensampler.reference import ReferenceRequest, reference_sample  # noqa: E402

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -330,14 +331,14 @@ def test_standard_openai_fields_are_accepted():
     body = {"model": "m", "prompt": "x", "stream": True, "stream_options": {"include_usage": True},
             "stop": ["\n"], "user": "u", "echo": False, "suffix": None, "metadata": {}, "best_of": 1,
             "use_beam_search": False, "ignore_eos": False}
-    assert resolve_request(body) == NEUTRAL
+    assert resolve_request(body) == dataclasses.replace(NEUTRAL, stop=("\n",))  # stop strings: for the loop
     chat = {"model": "m", "messages": [], "max_completion_tokens": 5, "tools": [], "tool_choice": "none",
             "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": False}
     assert resolve_request(chat).max_tokens == 5
     assert {"model", "prompt", "messages", "stream", "stop", "max_completion_tokens", "user"} <= ACCEPTED_FIELDS
 
 
-@pytest.mark.parametrize("field_name, value", [("use_beam_search", True), ("ignore_eos", True), ("best_of", 3),
+@pytest.mark.parametrize("field_name, value", [("use_beam_search", True), ("best_of", 3),
                                                ("prompt_logprobs", 1), ("bad_words", ["x"]),
                                                ("response_format", {"type": "json_object"}),
                                                ("tool_choice", "required")])
@@ -360,3 +361,20 @@ def test_invalid_values_are_400_errors_naming_the_field(field_name, value):
 def test_request_must_be_a_mapping():
     with pytest.raises(InvalidRequest):
         resolve_request([("temperature", 1.0)])
+
+
+# ---------------------------------------------------------------- stop strings and ignore_eos
+@pytest.mark.parametrize("stop, want", [(None, ()), ("###", ("###",)), (["a", "\n\n"], ("a", "\n\n")), ([], ())])
+def test_stop_strings_are_returned_on_the_params(stop, want):
+    resolved = resolve_request({"prompt": "x", "stop": stop})
+    assert resolved.stop == want and resolved.ignore_eos is False
+    chat = resolve_request({"messages": [], "stop": stop, "ignore_eos": True})
+    assert chat.stop == want and chat.ignore_eos is True
+
+
+@pytest.mark.parametrize("field_name, value", [("stop", ""), ("stop", ["a", ""]), ("stop", 3), ("stop", [1]),
+                                               ("ignore_eos", 1), ("ignore_eos", "yes")])
+def test_bad_stop_and_ignore_eos_are_400_errors(field_name, value):
+    with pytest.raises(InvalidRequest) as err:
+        resolve_request({"prompt": "x", field_name: value})
+    assert err.value.field == field_name and err.value.value == value

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-import support.split_cases as dc
+import tests.support.split_cases as dc
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, SplitMismatch
 from tokensampler.backends.split import merge as sel
 from tokensampler.core.order import KEY_NEG_INF, order_key, saturate_posinf

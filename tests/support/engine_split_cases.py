@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from support.engine import EOS, Engine
-from support.split_cases import compare
+from tests.support.engine import EOS, Engine
+from tests.support.split_cases import compare
 from tokensampler import SamplerOutput, SamplingGenerator, SamplingParams, StaleSamplingState
 
 # world -> (V, Vp, logprobs mode): a padded tail inside the last rank (61 of 64 over 2 ranks), and

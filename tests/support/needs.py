@@ -14,7 +14,7 @@ def unavailable(message: str) -> None:
     """Skip the test (locally) or fail it (under CI) with `message`."""
     if os.environ.get("CI"):
         pytest.fail(message, pytrace=False)
-    pytest.skip(message)
+    pytest.skip(message, allow_module_level=True)
 
 
 def need(module: str, install: str) -> ModuleType:

@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from tokensampler import Sampler, SamplingParams
-from tokensampler.parallel import Exchange
-from tokensampler.reference import ReferenceRequest, reference_sample
+from tokensampler.parallel import Exchange, ThreadExchange, ThreadHub
+from tokensampler.reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 
 MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 EOS = (1,)
@@ -31,30 +31,10 @@ CONFIGS = {
     4: [(150, 256), (203, 204)],
 }
 KINDS = ("greedy", "temperature", "top_k", "top_p", "min_p", "filters", "penalties", "bias", "allowed",
-         "min_tokens", "unseeded", "cold", "top_k_large")
+         "min_tokens", "unseeded", "cold", "top_k_large", "bad_words")
 
 
 # ------------------------------------------------------------------ thread exchange
-class ThreadHub:
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.parts: list[Any] = [None] * world
-        self.barrier = threading.Barrier(world, timeout=60)
-
-
-class ThreadExchange(Exchange):
-    """All-gather between threads of one process (a rank per thread), for fast in-process tests."""
-
-    def __init__(self, hub: ThreadHub, rank: int) -> None:
-        super().__init__()
-        self.hub, self.rank, self.world_size = hub, rank, hub.world
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.hub.parts[self.rank] = tensor.clone()
-        self.hub.barrier.wait()
-        out = torch.stack(self.hub.parts)
-        self.hub.barrier.wait()
-        return out
 
 
 def run_threads(world: int, fn: Callable[[Exchange], Any]) -> list[Any]:
@@ -97,6 +77,7 @@ class Case:
     mode: str
     requests: list[Request]
     steps: list[tuple[list[int], torch.Tensor]]  # (slots, logits [len(slots), Vp]) per step
+    masks: list[torch.Tensor | None] = field(default_factory=list)  # per step: a token bitmask or None
     replace_after: dict[int, Request] = field(default_factory=dict)  # step -> request re-admitted
 
 
@@ -120,6 +101,8 @@ def random_params(r: random.Random, vocab: int, kind: str) -> SamplingParams:
         "min_tokens": {"min_tokens": r.choice([2, 5]), "stop_token_ids": (ids[4], vocab - 1)},
         "unseeded": {"seed": None, "top_p": 0.9},
         "cold": {"temperature": r.choice([1e-3, 0.05]), "top_p": 0.5},
+        # one-token words always; longer ones on the output's last tokens (`make_case` adds those)
+        "bad_words": {"bad_words_token_ids": [(ids[5],), (vocab - 1,)], "temperature": r.choice([0.0, 1.0])},
     }[kind]
     return SamplingParams(**{**base, **extra})
 
@@ -161,14 +144,38 @@ def make_case(seed: int, vocab: int, padded: int, mode: str, steps: int = 3, row
         kind = KINDS[(i + seed) % len(KINDS)]
         prompt = [r.randrange(vocab) for _ in range(r.randrange(0, 8))] + [vocab - 1]
         outputs = [r.randrange(vocab) for _ in range(r.randrange(0, 4))]
-        requests.append(Request(slot, random_params(r, vocab, kind), prompt, outputs, r.choice([0, 0, 1, 3])))
+        params = random_params(r, vocab, kind)
+        if kind == "bad_words" and outputs:  # words whose prefix the output ends with (or soon may)
+            words = params.bad_words_token_ids + ((outputs[-1], r.randrange(vocab)), (*outputs[-2:], 0),
+                                                  (r.randrange(vocab), outputs[-1], vocab - 2))
+            params = dataclasses.replace(params, bad_words_token_ids=words)
+        requests.append(Request(slot, params, prompt, outputs, r.choice([0, 0, 1, 3])))
     dtype = r.choice([torch.float32, torch.float32, torch.float16, torch.bfloat16])
     plan = []
     for _ in range(steps):
         step_slots = r.sample(slots, r.randrange(max(1, rows - 2), rows + 1))
         plan.append((step_slots, random_logits(r, gen, len(step_slots), vocab, padded).to(dtype)))
     fresh = Request(slots[0], random_params(r, vocab, r.choice(KINDS)), [2, vocab - 1], [], 0)
-    return Case(vocab, padded, mode, requests, plan, {1: fresh})
+    masks = [random_bitmask(r, len(step_slots), vocab) if r.random() < 0.5 else None for step_slots, _ in plan]
+    return Case(vocab, padded, mode, requests, plan, replace_after={1: fresh}, masks=masks)
+
+
+def random_bitmask(r: random.Random, rows: int, vocab: int) -> torch.Tensor:
+    """A token bitmask (int32, xgrammar's layout) per row: a few ids, most ids, every id or none;
+    the bits of ids >= vocab are set (they must be ignored)."""
+    words = -(-vocab // 32) + r.choice([0, 1])
+    bits = torch.zeros(rows, 32 * words, dtype=torch.bool)
+    bits[:, vocab:] = True
+    for b in range(rows):
+        kind = r.choice(["few", "most", "all", "none"])
+        if kind == "few":
+            bits[b, r.sample(range(vocab), 5)] = True
+        elif kind == "most":
+            bits[b, :vocab] = torch.rand(vocab, generator=torch.Generator().manual_seed(r.randrange(2**31))) < 0.7
+        elif kind == "all":
+            bits[b, :vocab] = True
+    weights = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int64)
+    return (bits.view(rows, words, 32).to(torch.int64) * weights).sum(-1).to(torch.int32)
 
 
 # ------------------------------------------------------------------ runs
@@ -199,7 +206,8 @@ def run_case(case: Case, group: Any = None, seeds: list[dict[int, int]] | None =
             # written at the seen ids and restored before it returns); this unsplit run shares the
             # case with the ranks' threads, which read the same tensor at the same time
             logits = logits.clone()
-        outputs.append(sampler.sample(logits[:, rank * width:(rank + 1) * width], slots))
+        mask = case.masks[t] if case.masks else None  # every rank gets the whole mask
+        outputs.append(sampler.sample(logits[:, rank * width:(rank + 1) * width], slots, token_bitmask=mask))
         if t in case.replace_after:
             req = case.replace_after[t]
             sampler.remove_request(req.slot)
@@ -216,7 +224,10 @@ def reference_tokens(case: Case, seeds: dict[int, int], step: int = 0) -> torch.
         req = by_slot[slot]
         requests.append(ReferenceRequest(req.params, seeds[slot], len(req.prompt) + len(req.outputs),
                                          req.prompt, req.outputs, req.stream, EOS))
-    return reference_sample(logits, requests, vocab_size=case.vocab, logprobs_mode=case.mode).token_ids
+    mask = case.masks[step] if case.masks else None
+    allowed = None if mask is None else bitmask_allowed_ids(mask, case.vocab)
+    return reference_sample(logits, requests, vocab_size=case.vocab, logprobs_mode=case.mode,
+                            allowed=allowed).token_ids
 
 
 def _short(values: Any, limit: int = 300) -> str:
@@ -304,10 +315,10 @@ def error_checks(group: Any) -> list[str]:
     local_bad = SamplingParams(seed=8, logit_bias={vocab + 3 if last else 3: 1.0})
     bad += _expect("one rank's request invalid", lambda: sampler.add_request(2, local_bad, [1]),
                    InvalidSamplingParams, "logit_bias" if last else "group")
-    # a local failure that is not a ValueError still reaches every rank (no rank hangs)
+    # a prompt that is not a sequence: the library's error on that rank, and every other rank names it
     bad += _expect("one rank's prompt is not a list",
                    lambda: sampler.add_request(2, SamplingParams(seed=9), None if last else [1]),
-                   TypeError if last else SplitMismatch, None if last else "group")
+                   InvalidSamplingParams if last else SplitMismatch, "prompt_token_ids" if last else "group")
     gen = torch.Generator().manual_seed(11)
     logits = torch.randn(2, padded, generator=gen)
     mine = logits[:, rank * width:(rank + 1) * width]

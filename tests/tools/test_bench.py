@@ -70,10 +70,31 @@ def test_unknown_case_is_rejected():
 def test_matrix_is_the_issue_matrix():
     names = [c.name for c in bench.WORKLOAD_MATRIX]
     assert names == ["greedy", "temp", "topk50", "topp0.9", "topp0.9_flat", "k20_p0.95", "minp0.05",
-                     "penalties_topp", "logprobs20_topp", "B1_V248k_topp", "B128_V128k_k20_p0.95"]
+                     "penalties_topp", "logprobs20_topp", "B1_V248k_topp", "B128_V128k_k20_p0.95",
+                     "bitmask_topp0.9"]
     by_name = {c.name: c for c in bench.WORKLOAD_MATRIX}
     assert (by_name["B1_V248k_topp"].batch, by_name["B1_V248k_topp"].vocab) == (1, 248320)
     assert by_name["penalties_topp"].history and by_name["topp0.9_flat"].flat
+    masked, twin = by_name["bitmask_topp0.9"], by_name["topp0.9"]  # the same step, with and without a mask
+    assert (masked.batch, masked.vocab, masked.params) == (twin.batch, twin.vocab, twin.params) == \
+        (32, 151936, {"temperature": 0.8, "top_p": 0.9})
+    assert masked.bitmask_allowed == 4096 and twin.bitmask_allowed == 0
+
+
+def test_bitmask_case_reports_the_ratio_to_the_same_step_without_the_mask():
+    from tokensampler.reference import bitmask_allowed_ids
+    logits = bench.make_logits(3, 3000, seed=4)
+    mask = bench.make_bitmask(logits, 200)
+    allowed = bitmask_allowed_ids(mask, 3000)
+    top = logits.topk(32, dim=-1).indices.tolist()
+    assert mask.dtype == torch.int32 and mask.shape == (3, 94)
+    assert all(len(a) == 200 and set(t) <= a for a, t in zip(allowed, top))  # the likely ids are allowed
+    case = bench.BenchCase("small_mask", 3, 3000, {"temperature": 0.8, "top_p": 0.9}, bitmask_allowed=200)
+    (result,) = bench.run_bench(matrix=(case,), rounds=2, log=io.StringIO())
+    assert result["reference_rows_equal"] == result["rows"] == 3
+    assert set(result["median_ms"]) == {"floor", "sort_pipeline", "tokensampler", "tokensampler_unmasked"}
+    assert result["mask_ratio"] == result["median_ms"]["tokensampler"] / result["median_ms"]["tokensampler_unmasked"]
+    assert "mask / unmasked" in bench.format_table([result])
 
 
 def test_readme_usage_example_runs():

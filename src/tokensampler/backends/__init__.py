@@ -45,6 +45,19 @@ class Backends:
             return self.kernels
         return self.native
 
+    def warmup(self) -> dict:
+        """Run the torch step's routes once (`native.warmup.warm`) on a scratch state, when its
+        compiled reductions are on and this sampler holds the whole vocabulary (the split step and
+        the Triton kernels compile nothing through torch.compile)."""
+        from .native import compile as ts_compile
+        from .native.warmup import warm
+
+        layout = self.state.layout
+        if layout.split or not ts_compile.enabled():
+            return {"seconds": 0.0, "steps": 0}
+        return warm(layout.vocab_size, layout.padded_vocab_size, self.logprobs_mode, self.native.config,
+                    self.state.device)
+
     @property
     def kernels(self) -> Step:
         """The fused Triton step (imports Triton on first use)."""

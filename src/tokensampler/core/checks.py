@@ -4,12 +4,12 @@ the caller uses, or raises `InvalidSamplingParams` naming the field, the value a
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
 from .constants import LOGITS_DTYPES
-from .errors import InvalidSamplingParams
+from .errors import InvalidEnvironment, InvalidSamplingParams
 
 
 def is_int(value: Any) -> bool:
@@ -49,15 +49,63 @@ def check_bool(name: str, value: Any, allowed: str = "True or False") -> bool:
     return value
 
 
-def int_list(name: str, values: Any) -> list:
-    """A sequence (or a 1-d tensor) as a list; anything else is an error naming `name`."""
+def as_list(name: str, values: Any, allowed: str) -> list:
+    """A sequence (or a 1-d tensor that holds data) as a list; a string, bytes, a mapping, a tensor
+    of another shape or anything not iterable is an error naming `name` with `allowed`."""
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
-            raise InvalidSamplingParams(name, tuple(values.shape), "a 1-d sequence of ints")
+            raise InvalidSamplingParams(name, tuple(values.shape), f"{allowed} (a 1-d tensor)")
+        if values.device.type == "meta":
+            raise InvalidSamplingParams(name, "a meta tensor", f"{allowed} (a tensor that holds data)")
         return values.tolist()
-    if isinstance(values, (str, bytes, dict)) or not isinstance(values, Iterable):
-        raise InvalidSamplingParams(name, values, "a sequence of ints")
-    return list(values)
+    if isinstance(values, (str, bytes, bytearray, Mapping)) or not isinstance(values, Iterable):
+        raise InvalidSamplingParams(name, values, allowed)
+    try:
+        return list(values)
+    except TypeError:  # an iterable that cannot be iterated (e.g. a 0-d array)
+        raise InvalidSamplingParams(name, values, allowed) from None
+
+
+def int_list(name: str, values: Any) -> list:
+    """A sequence (or a 1-d tensor) as a list; anything else is an error naming `name`. The items
+    are not checked here (`check_token_ids`, `check_int` do it with their range)."""
+    return as_list(name, values, "a sequence of ints")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[str], allowed: str | None = None) -> str:
+    """`value` if it is one of the strings `choices`."""
+    if not isinstance(value, str) or value not in choices:
+        raise InvalidSamplingParams(name, value, allowed or f"one of {tuple(choices)}")
+    return value
+
+
+def check_device(name: str, device: Any) -> torch.device:
+    """`device` (a torch.device, a string such as "cpu" or "cuda:1", or a CUDA index) as a
+    torch.device this machine has: `InvalidSamplingParams` if it names no device, and
+    `InvalidEnvironment` if it names one this machine cannot use (CUDA without a CUDA device)."""
+    allowed = "a torch.device or a device string such as 'cpu', 'cuda' or 'cuda:0'"
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise InvalidSamplingParams(name, device, allowed)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise InvalidSamplingParams(name, device, allowed) from None
+    if dev.type == "meta":
+        raise InvalidSamplingParams(name, device, "a device that holds data (cpu, cuda)")
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise InvalidEnvironment(name, device, "cpu: this machine has no CUDA device (torch.cuda.is_available() "
+                                     "is False)")
+        if dev.index is not None and dev.index >= count:
+            raise InvalidEnvironment(name, device, f"cuda or cuda:0 .. cuda:{count - 1} (this machine's CUDA devices)")
+    elif dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except Exception:  # noqa: BLE001 - any failure means this machine cannot use the device
+            raise InvalidEnvironment(name, device, "a device this machine has (cpu, or cuda with a CUDA device)") \
+                from None
+    return dev
 
 
 def check_token_ids(field_name: str, ids: Iterable[int], vocab_size: int) -> None:

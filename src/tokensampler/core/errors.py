@@ -6,7 +6,8 @@
     │   ├── InvalidSlotRemap          a slot remap that is not a permutation of the slots
     │   ├── StaleSamplingState        device state out of date, and the call did not rebuild it
     │   ├── TraceMismatch             a captured step replayed with another logits tensor
-    │   └── SplitMismatch             the ranks of a vocabulary split disagree on a call
+    │   ├── SplitMismatch             the ranks of a vocabulary split disagree on a call
+    │   └── UnsupportedOnSplit        a feature a vocabulary split does not run (named in `field`)
     ├── InvalidCheckpoint             a checkpoint's files (generation config, tokenizer) unusable
     └── InvalidEnvironment            an environment variable, a missing optional package, or a
                                       process group that is not set up
@@ -19,6 +20,15 @@ from __future__ import annotations
 
 from typing import Any
 
+MESSAGE_VALUE_CHARS = 200  # a value's repr in a message is cut to this many characters (`.value` keeps it whole)
+
+
+def value_text(value: Any) -> str:
+    """`repr(value)` on one line (runs of whitespace and newlines become one space), cut to
+    `MESSAGE_VALUE_CHARS` characters: what a message shows of a value."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= MESSAGE_VALUE_CHARS else text[:MESSAGE_VALUE_CHARS - 3] + "..."
+
 
 class TokenSamplerError(ValueError):
     """Bad input to tokensampler: `field` had `value`, and `allowed` says what is accepted."""
@@ -27,7 +37,7 @@ class TokenSamplerError(ValueError):
         self.field = field_name
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{field_name}={value!r} is invalid: allowed {allowed}")
+        super().__init__(f"{field_name}={value_text(value)} is invalid: allowed {' '.join(str(allowed).split())}")
 
 
 class InvalidSamplingParams(TokenSamplerError):
@@ -56,13 +66,19 @@ class SplitMismatch(InvalidSamplingParams):
     or another rank rejected its input. Raised on every rank, before any state changes."""
 
 
+class UnsupportedOnSplit(InvalidSamplingParams):
+    """A call a vocabulary-split sampler does not run (e.g. rejection-mode speculative
+    verification, which needs each row's whole filtered distribution on one rank). Raised on every
+    rank, before any state changes; `field` and `value` name the feature, `allowed` what runs."""
+
+
 class InvalidCheckpoint(TokenSamplerError):
     """A checkpoint file that cannot be used; `source` names the file (or the override)."""
 
     def __init__(self, source: str, key: str, value: Any, allowed: str) -> None:
         self.source = source
         super().__init__(key, value, allowed)
-        self.args = (f"{source}: {key}={value!r} is invalid: allowed {allowed}",)
+        self.args = (f"{' '.join(str(source).split())}: {self.args[0]}",)
 
 
 class InvalidEnvironment(TokenSamplerError):

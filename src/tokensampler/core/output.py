@@ -1,4 +1,5 @@
-"""What one sampling step returns: `SamplerOutput` and its optional `LogprobsOutput`."""
+"""What one sampling step returns: `SamplerOutput` and its optional `LogprobsOutput`; what a
+speculative verification returns: `SpeculativeOutput`."""
 
 from __future__ import annotations
 
@@ -34,3 +35,30 @@ class SamplerOutput:
     token_ids: torch.Tensor
     valid: torch.Tensor
     logprobs: LogprobsOutput | None = None
+
+
+@dataclass
+class SpeculativeOutput:
+    """What one speculative verification returns (`Sampler.sample_speculative`, docs/speculative.md).
+
+    token_ids: int64 [B, K+1]; row b holds its emitted tokens first (positions pos_b .. pos_b +
+      num_emitted[b] - 1), then -1. Every emitted id is a real id in [0, vocab_size).
+    num_emitted: int64 [B], in [1, K+1]: the accepted drafts plus one (the correction at the first
+      rejection, or the bonus token when every draft of the row was accepted).
+    valid: bool [B, K+1], False at an emitted position whose row had no id left (the token is then
+      the raw greedy id, as in `SamplerOutput.valid`); True elsewhere.
+    logprobs: None when no row asked for logprobs; else a `LogprobsOutput` with one entry per
+      position: token_logprobs float32 [B, K+1], token_ranks int64 [B, K+1], top_token_ids int64
+      [B, K+1, N], top_logprobs float32 [B, K+1, N]. Positions past num_emitted (and rows that did
+      not ask) hold value 0, rank 0, ids -1 and values -inf.
+    """
+
+    token_ids: torch.Tensor
+    num_emitted: torch.Tensor
+    valid: torch.Tensor
+    logprobs: LogprobsOutput | None = None
+
+    @property
+    def num_accepted(self) -> torch.Tensor:
+        """int64 [B]: how many drafts of each row were accepted (num_emitted - 1)."""
+        return self.num_emitted - 1

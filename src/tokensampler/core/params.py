@@ -8,11 +8,12 @@ Token ids are checked later, against the vocabulary, when a `Sampler` admits the
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterable, Mapping
 
-from .checks import check_int, check_real, check_token_ids, is_int, is_real
+from .checks import as_list, check_bool, check_int, check_real, check_token_ids, is_int, is_real
 from .constants import INT64_MIN, LOGIT_BIAS_LIMIT, UINT64_MAX
 from .errors import InvalidSamplingParams
 
@@ -20,31 +21,77 @@ from .errors import InvalidSamplingParams
 def _token_tuple(name: str, ids: Iterable[Any] | None) -> tuple[int, ...] | None:
     if ids is None:
         return None
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Iterable):
-        raise InvalidSamplingParams(name, ids, "a sequence of int token ids")
-    out = tuple(ids)
+    out = tuple(as_list(name, ids, "a sequence of int token ids"))
     for token in out:
         if not is_int(token) or token < 0:
             raise InvalidSamplingParams(name, token, "token ids are ints >= 0")
     return out
 
 
+_FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _float32_usable(value: float) -> bool:
+    """Whether `value` is at most float32's largest finite value and, unless 0, does not round to 0
+    in float32 (what the float32 steps divide and multiply by): a temperature or repetition penalty
+    rounding to 0 or inf would make NaN of 0 / 0, -inf / inf or -inf * 0 in the definition."""
+    if value == 0.0:
+        return True
+    return abs(value) <= _FLOAT32_MAX and struct.unpack("f", struct.pack("f", value))[0] != 0.0
+
+
+_FLOAT32_RANGE = "whose float32 value is finite and non-zero (about 1.4e-45 to 3.4e38)"
+
+
+def _bad_words(ids: Any) -> tuple[tuple[int, ...], ...]:
+    """`bad_words_token_ids` as a tuple of non-empty tuples of ids (None or empty: no bad word)."""
+    if ids is None:
+        return ()
+    words = []
+    for word in as_list("bad_words_token_ids", ids, "a sequence of non-empty sequences of int token ids"):
+        if word is None:
+            raise InvalidSamplingParams("bad_words_token_ids", word, "a sequence of non-empty sequences of token ids")
+        tokens = _token_tuple("bad_words_token_ids", word)
+        if not tokens:
+            raise InvalidSamplingParams("bad_words_token_ids", word, "non-empty sequences of token ids")
+        words.append(tokens)
+    return tuple(words)
+
+
+def _stop_strings(stop: Any) -> tuple[str, ...]:
+    """`stop` as a tuple of non-empty strings (OpenAI's string or list of strings; None: none)."""
+    if stop is None:
+        return ()
+    allowed = "None, a non-empty string or a sequence of non-empty strings"
+    strings = (stop,) if isinstance(stop, str) else tuple(as_list("stop", stop, allowed))
+    if not all(isinstance(s, str) and s for s in strings):
+        raise InvalidSamplingParams("stop", stop, allowed)
+    return strings
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling parameters of one request (see docs/semantics.md for the exact meaning).
 
-    temperature: >= 0, finite; 0 means greedy (lowest id among the maxima).
+    temperature: 0 (greedy: the lowest id among the maxima), or > 0 with a positive finite float32
+      value (about 1.4e-45 to 3.4e38).
     top_k: 0 or -1 = off (stored as 0), else >= 1.
     top_p: in (0, 1]; 1 = off.       min_p: in [0, 1]; 0 = off.
     presence_penalty, frequency_penalty: in [-2, 2], on output tokens only.
-    repetition_penalty: > 0, finite, on prompt and output tokens; 1 = off.
+    repetition_penalty: > 0 with a positive finite float32 value, on prompt and output tokens; 1 = off.
     seed: any int in the signed or unsigned 64-bit range; None or -1 = a fresh random seed at admission.
     logprobs: None = none; 0 = the sampled token only; N >= 1 = also the top N; -1 = the whole vocabulary.
     logit_bias: token id -> bias, each value clamped to [-100, 100].
     allowed_token_ids: if given (non-empty), every other id is removed.
     min_tokens, stop_token_ids: while fewer than `min_tokens` tokens were generated, the stop ids and
-      the sampler's EOS ids are removed.
+      the sampler's EOS ids are removed; min_tokens <= max_tokens when both are given (vLLM's rule).
     max_tokens, n: for the layers above the sampler; choice `i` of a request uses noise stream `i`.
+    bad_words_token_ids: sequences of token ids (vLLM's): a one-token bad word is always removed; a
+      longer one removes its last token while the request's output (not the prompt) ends with its
+      other tokens.
+    stop, ignore_eos: for the layers above the sampler (OpenAI's): stop strings end the completion
+      (not returned in its text); ignore_eos = EOS is not a stop condition. The sampler itself does
+      not read them (EOS ids are still removed below min_tokens, as in vLLM).
     """
 
     temperature: float = 1.0
@@ -62,11 +109,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = None
     n: int = 1
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        put(self, "temperature", check_real("temperature", self.temperature, 0.0, math.inf,
-                                             allowed="a finite float >= 0 (0 = greedy)"))
+        bound = f"0 (greedy) or a float >= 0 {_FLOAT32_RANGE}"
+        put(self, "temperature", check_real("temperature", self.temperature, 0.0, math.inf, allowed=bound))
+        if not _float32_usable(self.temperature):
+            raise InvalidSamplingParams("temperature", self.temperature, bound)
         if not is_int(self.top_k) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise InvalidSamplingParams("top_k", self.top_k, "0 or -1 (off), or an int >= 1")
         put(self, "top_k", 0 if self.top_k == -1 else int(self.top_k))
@@ -76,9 +128,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             put(self, name, check_real(name, getattr(self, name), -2.0, 2.0,
                                         allowed="a float in [-2, 2]"))
+        bound = f"a float > 0 {_FLOAT32_RANGE}"
         put(self, "repetition_penalty",
-            check_real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True,
-                        allowed="a finite float > 0"))
+            check_real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True, allowed=bound))
+        if not _float32_usable(self.repetition_penalty):
+            raise InvalidSamplingParams("repetition_penalty", self.repetition_penalty, bound)
         seed = self.seed
         if seed is not None:
             if not is_int(seed) or not INT64_MIN <= seed <= UINT64_MAX:
@@ -107,7 +161,25 @@ class SamplingParams:
         put(self, "stop_token_ids", _token_tuple("stop_token_ids", self.stop_token_ids) or ())
         if self.max_tokens is not None:
             put(self, "max_tokens", check_int("max_tokens", self.max_tokens, 1, allowed="None or an int >= 1"))
+            if self.min_tokens > self.max_tokens:  # vLLM's rule: min_tokens <= max_tokens
+                raise InvalidSamplingParams("min_tokens", self.min_tokens,
+                                            f"an int in [0, max_tokens={self.max_tokens}]")
         put(self, "n", check_int("n", self.n, 1, allowed="an int >= 1"))
+        put(self, "bad_words_token_ids", _bad_words(self.bad_words_token_ids))
+        put(self, "stop", _stop_strings(self.stop))
+        check_bool("ignore_eos", self.ignore_eos)
+
+    def __reduce__(self) -> tuple:
+        """Pickled (and deep-copied) as its fields, remade by the constructor: `logit_bias` is a
+        read-only mapping proxy, which cannot be pickled itself."""
+        values = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        values["logit_bias"] = None if self.logit_bias is None else dict(self.logit_bias)
+        return (_remake_params, (values,))
+
+    @property
+    def bad_words_depth(self) -> int:
+        """How many of the latest output tokens the bad words look at: longest bad word - 1 (0: none)."""
+        return max((len(w) for w in self.bad_words_token_ids), default=1) - 1
 
     @property
     def greedy(self) -> bool:
@@ -122,6 +194,13 @@ class SamplingParams:
             yield "allowed_token_ids", token
         for token in self.stop_token_ids:
             yield "stop_token_ids", token
+        for word in self.bad_words_token_ids:
+            for token in word:
+                yield "bad_words_token_ids", token
+
+
+def _remake_params(values: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**values)
 
 
 def check_params_for_vocab(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:

@@ -34,6 +34,7 @@ class StepPlan:
     top_p: bool
     num_logprobs: list[int]  # -1 = row did not ask
     logprobs_width: int
+    bad_words: bool = False  # a row has bad words (step 3, on the slot's recorded output)
 
     @property
     def wants_logprobs(self) -> bool:
@@ -64,4 +65,5 @@ def plan_step(rows: Sequence[SamplingParams], vocab_size: int, slots: Sequence[i
         top_p=any(rows[b].top_p < 1.0 for b in sampled),
         num_logprobs=num_logprobs,
         logprobs_width=max(num_logprobs, default=-1),
+        bad_words=any(p.bad_words_token_ids for p in rows),
     )

@@ -2,8 +2,10 @@
 
 Every field of `SamplingParams` is either one value for every lane (a scalar) or a `list` with one
 entry per lane; `None` (alone or in a list) means the field's default. Sequence fields
-(`allowed_token_ids`, `stop_token_ids`) are per lane when given as a list of sequences (or Nones),
-`logit_bias` when given as a list of mappings (or Nones). The helpers pad, clamp, broadcast, split,
+(`allowed_token_ids`, `stop_token_ids`, `stop`) are per lane when given as a list of sequences (or
+Nones), `bad_words_token_ids` when given as a list whose entries are sequences of sequences (or
+Nones), `logit_bias` when given as a list of mappings (or Nones). A list of strings is one `stop`
+for every lane. The helpers pad, clamp, broadcast, split,
 scatter and slice these columns; `to_requests` turns lanes back into validated `SamplingParams`.
 """
 
@@ -19,7 +21,8 @@ from ..core.errors import InvalidSamplingParams
 from ..core.params import SamplingParams
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
-SEQUENCE_FIELDS = ("allowed_token_ids", "stop_token_ids")
+SEQUENCE_FIELDS = ("allowed_token_ids", "stop_token_ids", "stop")
+NESTED_FIELDS = ("bad_words_token_ids",)  # a sequence of sequences per lane
 MAPPING_FIELDS = ("logit_bias",)
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # The lane that pads a batch: greedy (the cheapest step), every other field at its default.
@@ -34,6 +37,9 @@ def _is_per_lane(name: str, value: Any) -> bool:
         return False
     if name in SEQUENCE_FIELDS:
         return bool(value) and all(v is None or isinstance(v, (list, tuple)) for v in value)
+    if name in NESTED_FIELDS:
+        return bool(value) and all(v is None or (isinstance(v, (list, tuple))
+                                                 and all(isinstance(w, (list, tuple)) for w in v)) for v in value)
     if name in MAPPING_FIELDS:
         return all(v is None or isinstance(v, Mapping) for v in value)
     return True
@@ -58,6 +64,9 @@ class BatchSamplingParams:
     stop_token_ids: Any = None
     max_tokens: Any = None
     n: Any = None
+    bad_words_token_ids: Any = None
+    stop: Any = None
+    ignore_eos: Any = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[SamplingParams]) -> "BatchSamplingParams":
@@ -107,7 +116,7 @@ class BatchSamplingParams:
 def _make_params(values: dict[str, Any]) -> SamplingParams:
     kwargs = {name: value for name, value in values.items() if value is not None}
     for name in SEQUENCE_FIELDS:
-        if name in kwargs:
+        if name in kwargs and isinstance(kwargs[name], list):  # anything else: SamplingParams checks it
             kwargs[name] = tuple(kwargs[name])
     return SamplingParams(**kwargs)
 
@@ -131,8 +140,15 @@ def _format_value(name: str, value: Any, vocab_size: int | None) -> Any:
     """The neutral encoding of one field value: None -> default, -1 sentinels -> off, clamps."""
     if value is None:
         return _DEFAULTS[name]
+    if name == "stop" and isinstance(value, str):
+        return (value,)
+    if name in SEQUENCE_FIELDS + NESTED_FIELDS and not isinstance(value, (list, tuple)) \
+            or name in MAPPING_FIELDS and not isinstance(value, Mapping):
+        return value  # not a container of the field's kind: left for SamplingParams to reject, naming the field
     if name in SEQUENCE_FIELDS:
         return tuple(value)
+    if name in NESTED_FIELDS:
+        return tuple(tuple(word) if isinstance(word, (list, tuple)) else word for word in value)
     if name in MAPPING_FIELDS:
         return dict(value) or None
     if isinstance(value, bool) or not isinstance(value, (int, float)):

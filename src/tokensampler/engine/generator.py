@@ -7,6 +7,8 @@
 3. Host sampling: seeds and positions follow a remap at once, and the device parameter and penalty
    buffers are marked stale; the next device decode must carry both flags or `StaleSamplingState`.
 4. `sample` samples every lane; only the active slots count their token and advance, once each.
+   `sample_speculative` verifies drafts on every lane; only the active slots count their emitted
+   tokens and advance, once per emitted token.
 5. Bad input raises a `ValueError` (`InvalidSamplingParams`) before any state changes.
 """
 
@@ -19,10 +21,10 @@ from typing import Any, Sequence
 import torch
 
 from ..core import rng
-from ..core.checks import check_int, check_slots
+from ..core.checks import as_list, check_bool, check_int, check_logits, check_slots, int_list
 from ..core.constants import POSITION_LIMIT
 from ..core.errors import InvalidSamplingParams, StaleSamplingState, TraceMismatch
-from ..core.output import LogprobsOutput, SamplerOutput
+from ..core.output import LogprobsOutput, SamplerOutput, SpeculativeOutput
 from ..core.params import SamplingParams, check_params_for_vocab
 from ..sampler import Sampler
 from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
@@ -49,14 +51,19 @@ class SamplingGenerator:
       changes (docs/distributed.md).
     seed_source: draws seeds for unseeded requests (default: `secrets`; with a group, a stream
       seeded by rank 0, the same on every rank; a custom source must give every rank the same seeds).
+    warmup: run `Sampler.warmup` at construction (default), so that no step compiles anything;
+      the report is kept in `warmup_report`.
     """
 
     def __init__(self, vocab_size: int, *, max_batch_size: int, sampling_dp: int = 1,
                  padded_vocab_size: int | None = None, device: torch.device | str, group: Any = None,
                  logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20, eos_token_ids: Sequence[int] = (),
-                 seed_source: Any = None) -> None:
+                 seed_source: Any = None, warmup: bool = True) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         check_int("sampling_dp", sampling_dp, 1)
+        check_bool("warmup", warmup)
+        if seed_source is not None and not callable(seed_source):
+            raise InvalidSamplingParams("seed_source", seed_source, "None or a callable returning a seed (an int)")
         self.max_batch_size = max_batch_size
         self.sampling_dp = sampling_dp
         self.num_lanes = max_batch_size * sampling_dp
@@ -83,6 +90,9 @@ class SamplingGenerator:
         self.tracer = StepTracer(self.sampler)
         self._force_argmax: bool | None = None
         self.last_output: SamplerOutput | None = None
+        self.last_speculative: SpeculativeOutput | None = None
+        # no decode step compiles anything: `Sampler.warmup` prepares every compiled function now
+        self.warmup_report = self.sampler.warmup() if warmup else None
 
     # ------------------------------------------------------------ queries
     def occupied_slots(self) -> list[int]:
@@ -123,30 +133,39 @@ class SamplingGenerator:
 
     # ------------------------------------------------------------ prefill
     def apply_prefill_state(self, *, sampling_params: Any, prompt_tokens: Any, empty_slots: Sequence[int],
-                            streams: Sequence[int] | None = None) -> list[int]:
+                            streams: Sequence[int] | None = None, output_tokens: Any = None) -> list[int]:
         """Admit one request per entry of `empty_slots` (request order), replacing what they held.
 
         sampling_params: one lane per slot (or scalars); prompt_tokens: `[len(empty_slots), S]`,
         -1 = padding. Each slot's position becomes its prompt length; streams (default 0) are the
-        noise streams (choice i of an n > 1 request). Returns the effective seeds (drawn for the
-        unseeded). Every other slot keeps its parameters, history and seed.
+        noise streams (choice i of an n > 1 request). output_tokens: `[len(empty_slots), S]` ids a
+        request already generated (a preempted request resumed by the engine): they join its
+        penalty history and its position becomes prompt length + their number. Returns the
+        effective seeds (drawn for the unseeded). Every other slot keeps its parameters, history
+        and seed.
         """
         def check() -> tuple:
             slots = self._check_slots("empty_slots", empty_slots)
             if not slots:
-                return slots, [], None, [], streams
+                return slots, [], None, None, [], streams
             batch = as_batch_params(sampling_params)
             if batch.num_lanes() not in (None, len(slots)):
                 raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
                                             f"one lane per empty slot ({len(slots)})")
             requests = self._requests(format_sampling_params(batch, len(slots), vocab_size=self.vocab_size))
             prompts = token_rows("prompt_tokens", prompt_tokens, len(slots), self.vocab_size)
-            lengths = (prompts >= 0).sum(dim=1).tolist()
+            outputs = None if output_tokens is None else token_rows("output_tokens", output_tokens, len(slots),
+                                                                    self.vocab_size)
+            lengths = (prompts >= 0).sum(dim=1)
+            if outputs is not None:
+                lengths = lengths + (outputs >= 0).sum(dim=1)
+            lengths = lengths.tolist()
             if max(lengths) >= POSITION_LIMIT:
                 raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
-            return slots, requests, prompts, lengths, None if streams is None else check_streams(streams, len(slots))
+            return (slots, requests, prompts, outputs, lengths,
+                    None if streams is None else check_streams(int_list("streams", streams), len(slots)))
 
-        slots, requests, prompts, lengths, streams = self.agreement.check("apply_prefill_state", check)
+        slots, requests, prompts, outputs, lengths, streams = self.agreement.check("apply_prefill_state", check)
         if not slots:
             return []
         # every check is done (on every rank): change state
@@ -157,7 +176,7 @@ class SamplingGenerator:
             self._occupied[slot] = True
             self._stale[slot] = self._prompt_stale[slot] = False
             self._write_device_params(slot)
-        self.sampler.reset_history(slots, prompts.to(self.device), None)
+        self.sampler.reset_history(slots, prompts.to(self.device), None if outputs is None else outputs.to(self.device))
         self._upload_noise(slots)
         return seeds
 
@@ -264,8 +283,10 @@ class SamplingGenerator:
         self._prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
         if sampling_mode == "device":
             self._stale = [self._stale[j] for j in remap]
-            dst = torch.arange(self.num_lanes, dtype=torch.int64, device=self.device)
-            self.sampler.state.move(dst, torch.tensor(remap, dtype=torch.int64, device=self.device))
+            moved = [i for i, j in enumerate(remap) if i != j]  # only the slots that change hands
+            if moved:
+                self.sampler.state.move(torch.tensor(moved, dtype=torch.int64, device=self.device),
+                                        torch.tensor([remap[i] for i in moved], dtype=torch.int64, device=self.device))
         else:  # the device rows stay where they are, now under other requests: rebuilt before use
             self._stale = [True] * self.num_lanes
             for slot in range(self.num_lanes):
@@ -283,6 +304,22 @@ class SamplingGenerator:
         return [prompt_stale[i] or remap[i] != i for i in range(len(remap))]
 
     # ------------------------------------------------------------ sampling
+    def _active_lanes(self, active_slots: Sequence[int] | None, batch: int, what: str) -> list[int]:
+        """The slots a step counts: `active_slots` (checked: occupied, below the batch of `what`) or
+        every occupied slot below it; raises `StaleSamplingState` for a slot awaiting its rebuild."""
+        if active_slots is None:
+            active = [s for s in range(batch) if self._occupied[s]]
+        else:
+            active = self._check_occupied("active_slots", active_slots)
+            for slot in active:
+                if slot >= batch:
+                    raise InvalidSamplingParams("active_slots", slot, f"slots below the batch of {what} ({batch})")
+        stale = [s for s in active if self._stale[s]]
+        if stale:
+            raise StaleSamplingState("active_slots", stale, "slots rebuilt by apply_decode_state(reload_sampling_"
+                                     "params=True, reset_sampling_state=True) after host sampling")
+        return active
+
     def sample(self, logits: torch.Tensor, *, active_slots: Sequence[int] | None = None,
                enable_trace: bool = False) -> tuple[torch.Tensor, LogprobsOutput | None]:
         """Sample every lane of `logits` (`[B, Vp]`, B <= max_batch_size * sampling_dp; row b is
@@ -295,19 +332,9 @@ class SamplingGenerator:
         Returns (token ids int64 [B], logprobs or None); `last_output.valid` flags rows with no id left.
         """
         def check() -> tuple[int, list[int]]:
+            check_bool("enable_trace", enable_trace)
             batch = self._check_logits(logits)
-            if active_slots is None:
-                active = [s for s in range(batch) if self._occupied[s]]
-            else:
-                active = self._check_occupied("active_slots", active_slots)
-                for slot in active:
-                    if slot >= batch:
-                        raise InvalidSamplingParams("active_slots", slot,
-                                                    f"slots below the batch of logits ({batch})")
-            stale = [s for s in active if self._stale[s]]
-            if stale:
-                raise StaleSamplingState("active_slots", stale, "slots rebuilt by apply_decode_state(reload_sampling_"
-                                         "params=True, reset_sampling_state=True) after host sampling")
+            active = self._active_lanes(active_slots, batch, "logits")
             force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
             if enable_trace and self.agreement.shared and force_argmax == self._force_argmax:  # a flip drops all
                 self.tracer.check(logits, force_argmax)
@@ -327,6 +354,53 @@ class SamplingGenerator:
         self.seed_manager.get_new_values(active)  # mirrors the device advance, once per token
         self.last_output = out
         return out.token_ids, out.logprobs
+
+    def sample_speculative(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
+                           draft_probs: torch.Tensor | None = None, mode: str | None = None,
+                           active_slots: Sequence[int] | None = None) -> SpeculativeOutput:
+        """Verify K drafted tokens per lane (`Sampler.sample_speculative`, docs/speculative.md).
+
+        Parameters
+        ----------
+        target_logits: [B, K+1, Vp] (a split: this rank's slice), B <= max_batch_size * sampling_dp;
+            row b is slot b, position j the target's logits for the slot's position + j.
+        draft_token_ids: integer [B, K], ids in [0, V) or -1 (no draft from there on).
+        draft_probs: optional float [B, K, Vp], the draft's distribution (rejection mode).
+        mode: "match" or "rejection" (default: "rejection" with draft_probs, else "match").
+        active_slots: the slots whose emitted tokens are counted (default: every occupied slot < B);
+            the other rows are verified and change nothing.
+
+        Returns
+        -------
+        SpeculativeOutput (token_ids int64 [B, K+1], num_emitted int64 [B], valid, logprobs). Each
+        active slot's host position advances by its num_emitted (one read of num_emitted), as its
+        device position does: the same as `sample` once per emitted token.
+        """
+        def check() -> tuple[int, list[int]]:
+            shape = getattr(target_logits, "shape", None)
+            if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3 \
+                    or not 1 <= target_logits.shape[0] <= self.num_lanes:
+                width = self.sampler.layout.columns
+                raise InvalidSamplingParams("target_logits", shape if shape is not None else target_logits,
+                                            f"a tensor [B, K+1, {width}] with 1 <= B <= {self.num_lanes}")
+            batch, positions = target_logits.shape[:2]
+            active = self._active_lanes(active_slots, batch, "target_logits")
+            for slot in active:
+                if self.seed_manager.positions[slot] + positions >= POSITION_LIMIT:
+                    raise InvalidSamplingParams("position", self.seed_manager.positions[slot] + positions,
+                                                f"below {POSITION_LIMIT} after the K+1 positions")
+            return batch, active
+
+        batch, active = self.agreement.check("sample_speculative", check)
+        record = torch.zeros(batch, dtype=torch.bool)
+        record[active] = True
+        out = self.sampler.sample_speculative(target_logits, draft_token_ids, draft_probs=draft_probs, mode=mode,
+                                              record=record.to(self.device))
+        if active:  # mirrors the device advance: one position per emitted token
+            index = torch.tensor(active, dtype=torch.int64, device=out.num_emitted.device)
+            self.seed_manager.advance(active, out.num_emitted[index].tolist())
+        self.last_speculative = out
+        return out
 
     def trace_keys(self) -> list[TraceKey]:
         """The keys of the steps captured now."""
@@ -361,7 +435,9 @@ class SamplingGenerator:
 
     def _chunk_lanes(self, chunks: Any, occupied: list[bool]) -> dict[int, SamplingParams]:
         """slot -> parameters for every occupied slot a chunk lane covers (validated)."""
-        chunk_list = [chunks] if isinstance(chunks, BatchSamplingParams) else list(chunks)
+        chunk_list = [chunks] if isinstance(chunks, BatchSamplingParams) else as_list(
+            "chunks", chunks, f"a BatchSamplingParams, or a sequence of them with one per sampling group "
+            f"({self.sampling_dp})")
         if len(chunk_list) != self.sampling_dp:
             raise InvalidSamplingParams("chunks", f"{len(chunk_list)} chunks",
                                         f"one per sampling group ({self.sampling_dp})")
@@ -387,8 +463,9 @@ class SamplingGenerator:
         return slot_list
 
     def _check_logits(self, logits: torch.Tensor) -> int:
+        """The batch of `logits`, fully checked (shape, dtype, device) before the step changes anything."""
+        width = self.sampler.layout.columns
         if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= self.num_lanes:
-            width = self.sampler.layout.columns
             raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
                                         f"a tensor [B, {width}] with 1 <= B <= {self.num_lanes}")
-        return logits.shape[0]
+        return check_logits(logits, width, self.device)[0]

@@ -167,6 +167,22 @@ class SeedManager:
             self.positions[slot] += 1
         return seeds, positions, streams
 
+    def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Advance the position of `slots[i]` by `counts[i]` tokens at once (a speculative step that
+        emitted several tokens): the same as `counts[i]` calls of `get_new_values`. Checked first."""
+        slot_list = check_slots("slots", slots, self.num_slots)
+        count_list = int_list("counts", counts)
+        if len(count_list) != len(slot_list):
+            raise InvalidSamplingParams("counts", f"{len(count_list)} counts", f"one per slot ({len(slot_list)})")
+        for slot, count in zip(slot_list, count_list):
+            check_int("counts", count, 0, allowed="an int >= 0")
+            if self.seeds[slot] is None:
+                raise InvalidSamplingParams("slots", slot, "slots holding a seed (reset_seed first)")
+            if self.positions[slot] + count >= POSITION_LIMIT:
+                raise InvalidSamplingParams("position", self.positions[slot] + count, f"below {POSITION_LIMIT}")
+        for slot, count in zip(slot_list, count_list):
+            self.positions[slot] += count
+
     def apply_slot_remap(self, remap: Sequence[int] | torch.Tensor) -> None:
         """New slot i takes old slot `remap[i]`'s seed, stream and position (validated first)."""
         values = check_slot_remap(remap, self.num_slots)

@@ -3,6 +3,7 @@ agreement mechanism every public call goes through. No sampling math here."""
 
 from .agreement import Agreement, call_key
 from .groups import SamplingDP, sampling_dp
-from .transport import Exchange, TorchExchange, as_exchange
+from .transport import Exchange, ThreadExchange, ThreadHub, TorchExchange, as_exchange
 
-__all__ = ["Agreement", "Exchange", "SamplingDP", "TorchExchange", "as_exchange", "call_key", "sampling_dp"]
+__all__ = ["Agreement", "Exchange", "SamplingDP", "ThreadExchange", "ThreadHub", "TorchExchange", "as_exchange",
+           "call_key", "sampling_dp"]

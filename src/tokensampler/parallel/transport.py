@@ -1,8 +1,10 @@
 """The one collective a vocabulary split needs: `Exchange` (an all-gather of a small tensor, with byte
-counters) and `TorchExchange`, its form over a torch.distributed process group."""
+counters), `TorchExchange`, its form over a torch.distributed process group, and `ThreadExchange`,
+its form between the threads of one process (a rank per thread: tests, benchmarks, demos)."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from typing import Any
 
@@ -73,6 +75,32 @@ class TorchExchange(Exchange):
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._dist.all_gather(parts, tensor, group=self.group)
         return torch.stack(parts)
+
+
+class ThreadHub:
+    """What the threads of one in-process split share: a slot per rank and a barrier."""
+
+    def __init__(self, world: int, timeout: float = 120.0) -> None:
+        self.world = world
+        self.parts: list[Any] = [None] * world
+        self.barrier = threading.Barrier(world, timeout=timeout)
+
+
+class ThreadExchange(Exchange):
+    """All-gather between the threads of one process: rank `rank` of `hub` (one thread per rank, each
+    with its own `Sampler(group=ThreadExchange(hub, rank))`). A rank that stops calling leaves the
+    others waiting until the hub's barrier times out (threading.BrokenBarrierError)."""
+
+    def __init__(self, hub: ThreadHub, rank: int) -> None:
+        super().__init__()
+        self.hub, self.rank, self.world_size = hub, rank, hub.world
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.hub.parts[self.rank] = tensor.clone()
+        self.hub.barrier.wait()
+        out = torch.stack(self.hub.parts)
+        self.hub.barrier.wait()
+        return out
 
 
 def as_exchange(group: Any) -> Exchange:

@@ -6,6 +6,11 @@ token of every unfinished row with one `Sampler.sample` call. Each request's par
 `resolve_request` against the checkpoint's `generation_config.json` (`load_generation_defaults`),
 exactly as an OpenAI server would resolve them, and are reported with the seed, so a run can be
 replayed. `transformers` is only imported here, on use (`pip install tokensampler[hf]`).
+
+Options of the loop: chat prompts (each prompt a user message rendered with the checkpoint's chat
+template), constrained generation (`constrained.GrammarSpec`: one xgrammar matcher per completion,
+its bitmask passed to `Sampler.sample`, the completion ends when the grammar terminates), OpenAI
+stop strings (not part of the returned text) and ignore_eos, and a progress line.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TextIO
 
 import torch
 
@@ -23,6 +29,7 @@ from ..core.errors import InvalidSamplingParams
 from ..core.output import SamplerOutput
 from ..core.params import SamplingParams
 from ..sampler import Sampler
+from .constrained import GrammarConstraint, GrammarSpec
 from .generation_config import GenerationDefaults, resolve_request
 
 StepObserver = Callable[[Sampler, list[int], torch.Tensor, SamplerOutput], None]
@@ -49,10 +56,11 @@ class Completion:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or a stop token id) or "length" (max_tokens)
+    finish_reason: str  # "stop" (EOS, a stop token id, a stop string, the grammar's end) or "length" (max_tokens)
     params: SamplingParams  # as held by the Sampler for this row (seed filled in)
     seed: int
     logprobs: list[TokenLogprob] | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (vLLM's), if any
 
 
 def load_causal_lm(model_dir: str | Path, *, device: str | torch.device = "cpu",
@@ -124,16 +132,34 @@ class _Forward:
         return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def render_chat(tokenizer: Any, prompt: str) -> str:
+    """`prompt` as the one user message of a chat, rendered with the tokenizer's chat template
+    (add_generation_prompt=True: the text ends where the assistant's reply starts)."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise InvalidSamplingParams("chat", True, "a checkpoint whose tokenizer has a chat template")
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def prompt_token_ids(tokenizer: Any, prompt: str, chat: bool = False) -> list[int]:
+    """The prompt's token ids: the text tokenized as is, or (chat) the rendered chat tokenized
+    without adding special tokens (the template writes them)."""
+    if chat:
+        return list(tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+    return list(tokenizer(prompt)["input_ids"])
+
+
 def _resolve_requests(tokenizer: Any, prompts: Sequence[str],
                       requests: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None,
-                      defaults: GenerationDefaults, limit: int | None) -> tuple[list[list[int]], list[SamplingParams]]:
+                      defaults: GenerationDefaults, limit: int | None,
+                      chat: bool = False) -> tuple[list[list[int]], list[SamplingParams]]:
     """Tokenize the prompts and resolve one SamplingParams per prompt, seeds drawn; all checks first."""
     if not prompts:
         raise InvalidSamplingParams("prompts", list(prompts), "at least one prompt")
     bodies = [requests or {}] * len(prompts) if requests is None or isinstance(requests, Mapping) else list(requests)
     if len(bodies) != len(prompts):
         raise InvalidSamplingParams("requests", f"{len(bodies)} bodies", f"one, or one per prompt ({len(prompts)})")
-    prompt_ids = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    prompt_ids = [prompt_token_ids(tokenizer, p, chat) for p in prompts]
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise InvalidSamplingParams(f"prompts[{i}]", prompts[i], "a prompt of at least one token")
@@ -148,21 +174,60 @@ def _resolve_requests(tokenizer: Any, prompts: Sequence[str],
                         for p in resolved]
 
 
+class _Progress:
+    """The progress line: tokens so far and tokens per second, redrawn with a carriage return."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream
+        self.start = time.perf_counter()
+        self.tokens = 0
+
+    def step(self, tokens: int) -> None:
+        self.tokens += tokens
+        if self.stream is not None:
+            rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+            self.stream.write(f"\rgenerate: {self.tokens} tokens, {rate:.1f} tokens/s")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.stream is not None and self.tokens:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _stop_string_at(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """(index, string) of the stop string that ends first in `text[start:]` (ties: list order)."""
+    best = None
+    for stop in stops:
+        index = text.find(stop, start)
+        if index >= 0 and (best is None or index + len(stop) < best[0] + len(best[1])):
+            best = (index, stop)
+    return best
+
+
 @torch.no_grad()
 def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
              requests: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
              defaults: GenerationDefaults | None = None, *, max_model_len: int | None = None,
-             observer: StepObserver | None = None) -> list[Completion]:
+             observer: StepObserver | None = None, chat: bool = False, grammar: GrammarSpec | None = None,
+             progress: TextIO | None = None) -> list[Completion]:
     """Complete every prompt (each `n` times) with tokensampler; returns the completions in order.
 
     requests: one OpenAI completion body for all prompts, or one per prompt (its `prompt` field is
     ignored: the text comes from `prompts`). defaults: the checkpoint's sampling defaults.
     max_model_len: caps max_tokens at max_model_len - prompt_len (default: the model's).
     observer: called after every step with (sampler, slots sampled, their logits, output).
+    chat: each prompt is a user message, rendered with the checkpoint's chat template.
+    grammar: every completion follows it (`constrained.parse_grammar`): one xgrammar matcher per
+      completion, advanced by each sampled token; its bitmask goes to `Sampler.sample`; the
+      completion ends ("stop") when the grammar has terminated (its stop token, EOS, accepted).
+    progress: a stream (e.g. sys.stderr) for a progress line redrawn after every step.
+    Stop strings (`stop` in the request) end a completion and are cut from its text (finish_reason
+    "stop"); `ignore_eos` makes EOS no stop condition (the sampler still samples it like any id).
     """
     defaults = defaults if defaults is not None else GenerationDefaults(mode="vllm")
     limit = max_model_len if max_model_len is not None else max_model_len_of(model)
-    prompt_ids, resolved = _resolve_requests(tokenizer, prompts, requests, defaults, limit)
+    prompt_ids, resolved = _resolve_requests(tokenizer, prompts, requests, defaults, limit, chat)
     rows = [(i, c) for i, p in enumerate(resolved) for c in range(p.n)]
 
     device = next(model.parameters()).device
@@ -183,22 +248,44 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
     outputs: list[list[int]] = [[] for _ in rows]
     logprobs: list[list[TokenLogprob] | None] = [[] if resolved[i].logprobs is not None else None for i, _ in rows]
     finish: list[str | None] = [None] * len(rows)
-    stops = [set(eos) | set(resolved[i].stop_token_ids) for i, _ in rows]
+    reasons: list[str | int | None] = [None] * len(rows)
+    texts: list[str | None] = [None] * len(rows)  # set when a stop string cut the text
+    stops = [set(resolved[i].stop_token_ids) | (set() if resolved[i].ignore_eos else set(eos)) for i, _ in rows]
+    constraint = (GrammarConstraint(grammar, tokenizer, logits_width, [t for t in eos if t < logits_width])
+                  if grammar is not None else None)
+    matchers = [constraint.matcher() for _ in rows] if constraint is not None else None
+    bitmask = constraint.bitmask(len(rows)) if constraint is not None else None
+    meter = _Progress(progress)
     while True:
         active = [slot for slot in range(len(rows)) if finish[slot] is None]
         logits = out.logits[:, -1, :].float()[active]
-        step = sampler.sample(logits, slots=active)
+        token_bitmask = None
+        if matchers is not None:  # every active matcher is live: a terminated one finished its row
+            token_bitmask = constraint.fill_bitmask([matchers[s] for s in active], bitmask).to(device)
+        step = sampler.sample(logits, slots=active, token_bitmask=token_bitmask)
         if observer is not None:
             observer(sampler, active, logits, step)
         tokens = step.token_ids.tolist()
+        meter.step(len(active))
         for b, slot in enumerate(active):
             params = resolved[rows[slot][0]]
             outputs[slot].append(tokens[b])
             if logprobs[slot] is not None:
                 logprobs[slot].append(_token_logprob(step, b, params.logprobs))
-            if tokens[b] in stops[slot]:
+            if matchers is not None:
+                constraint.accept(matchers[slot], tokens[b])
+            if matchers is not None and matchers[slot].is_terminated():
                 finish[slot] = "stop"
-            elif len(outputs[slot]) >= params.max_tokens:
+                reasons[slot] = tokens[b] if tokens[b] in eos else None
+            elif tokens[b] in stops[slot]:
+                finish[slot], reasons[slot] = "stop", tokens[b]
+            elif params.stop and len(outputs[slot]) > params.min_tokens:
+                text = tokenizer.decode(outputs[slot], skip_special_tokens=True)
+                start = len(tokenizer.decode(outputs[slot][:params.min_tokens], skip_special_tokens=True))
+                found = _stop_string_at(text, params.stop, start)
+                if found is not None:
+                    finish[slot], reasons[slot], texts[slot] = "stop", found[1], text[:found[0]]
+            if finish[slot] is None and len(outputs[slot]) >= params.max_tokens:
                 finish[slot] = "length"
         if all(f is not None for f in finish):
             break
@@ -208,8 +295,11 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str],
         out = forward(fed, mask, next_position, forward.cache_of(out))
         next_position = next_position + 1
 
+    meter.close()
     return [Completion(prompt_index=i, choice=c, prompt=prompts[i], prompt_token_ids=prompt_ids[i],
-                       token_ids=outputs[slot], text=tokenizer.decode(outputs[slot], skip_special_tokens=True),
+                       token_ids=outputs[slot],
+                       text=texts[slot] if texts[slot] is not None else tokenizer.decode(outputs[slot],
+                                                                                        skip_special_tokens=True),
                        finish_reason=finish[slot], params=sampler.params_of(slot), seed=seeds[slot],
-                       logprobs=logprobs[slot])
+                       logprobs=logprobs[slot], stop_reason=reasons[slot])
             for slot, (i, c) in enumerate(rows)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
@@ -87,6 +88,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise GenerationConfigError(str(path), "<file>", str(exc), "a readable JSON file") from exc
+    except UnicodeDecodeError as exc:
+        raise GenerationConfigError(str(path), "<file>", f"byte {exc.start}: {exc.reason}",
+                                    "a UTF-8 JSON file") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -150,8 +154,10 @@ def load_generation_defaults(model_dir: str | Path, mode: str = "auto",
     supplies the sampling keys instead. EOS ids are read in every mode.
     override: a dict (or its JSON text) of generation-config keys applied last.
     """
+    if not isinstance(model_dir, (str, os.PathLike)) or isinstance(model_dir, bytes) or str(model_dir) == "":
+        raise InvalidSamplingParams("model", model_dir, "a checkpoint directory (a str or os.PathLike path)")
     root = Path(model_dir)
-    if not isinstance(mode, (str, Path)) or str(mode) == "":
+    if not isinstance(mode, (str, os.PathLike)) or isinstance(mode, bytes) or str(mode) == "":
         raise InvalidSamplingParams("generation_config", mode, "'auto', 'vllm', 'none' or a directory")
     if not root.is_dir():
         raise InvalidSamplingParams("model", str(model_dir), "an existing checkpoint directory")
@@ -197,13 +203,13 @@ def load_generation_defaults(model_dir: str | Path, mode: str = "auto",
 SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs",
-    "logit_bias", "stop_token_ids", "allowed_token_ids",
+    "logit_bias", "stop_token_ids", "allowed_token_ids", "stop", "ignore_eos",
 })
 
 # Standard OpenAI (and common vLLM) body fields that do not change which token is sampled; they are
 # accepted and left to the layers that own them (prompt rendering, streaming, detokenizing).
 PASS_THROUGH_FIELDS = frozenset({
-    "model", "prompt", "messages", "stream", "stream_options", "stop", "user", "echo", "suffix",
+    "model", "prompt", "messages", "stream", "stream_options", "user", "echo", "suffix",
     "metadata", "store", "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
     "tools", "parallel_tool_calls", "functions", "function_call", "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier", "include_stop_str_in_output", "skip_special_tokens",
@@ -217,7 +223,6 @@ PASS_THROUGH_FIELDS = frozenset({
 # their neutral value, rejected otherwise (rather than silently ignored).
 NEUTRAL_ONLY_FIELDS: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False, None),
-    "ignore_eos": (False, None),
     "prompt_logprobs": (None,),
     "logprob_token_ids": (None,),
     "bad_words": (None, []),
@@ -243,12 +248,19 @@ def _request_int(request: Mapping[str, Any], name: str, default: Any, low: int, 
     return value
 
 
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """`value` is one of `neutral` (compared only with values of its own type: no tensor or array
+    comparison, no True == 1)."""
+    return any(type(value) is type(v) and value == v for v in neutral)
+
+
 def _check_fields(request: Mapping[str, Any]) -> None:
     for name, value in request.items():
         if not isinstance(name, str) or name not in ACCEPTED_FIELDS:
-            raise InvalidRequest(str(name), value, "a documented OpenAI/vLLM request field "
+            label = name if isinstance(name, str) and name.strip() else repr(name)  # never an empty field name
+            raise InvalidRequest(label, value, "a documented OpenAI/vLLM request field "
                                  "(see tokensampler.serving.generation_config.ACCEPTED_FIELDS)")
-        if name in NEUTRAL_ONLY_FIELDS and value not in NEUTRAL_ONLY_FIELDS[name]:
+        if name in NEUTRAL_ONLY_FIELDS and not _is_neutral(value, NEUTRAL_ONLY_FIELDS[name]):
             raise InvalidRequest(name, value, f"{NEUTRAL_ONLY_FIELDS[name][0]!r}: not supported by tokensampler")
 
 
@@ -321,12 +333,17 @@ def resolve_request(request: Mapping[str, Any], defaults: GenerationDefaults | N
 
     Each sampling field: the request's value if sent and not null, else the checkpoint default
     (`defaults`), else the neutral OpenAI default. Temperature 0 is greedy: top-k, top-p and min-p
-    are cleared whatever the checkpoint says. max_tokens = min(request or checkpoint default,
+    are cleared whatever the checkpoint says. `stop` (a string or a list of strings) and
+    `ignore_eos` are returned on the params for the decode loop: stop strings end a completion and
+    are not part of its text; ignore_eos = EOS is not a stop condition (the sampler does not ban
+    it). max_tokens = min(request or checkpoint default,
     max_model_len - prompt_len) when both lengths are given. Raises `InvalidRequest` /
     `InvalidSamplingParams` (HTTP 400) on an unknown field or an invalid value.
     """
     if not isinstance(request, Mapping):
         raise InvalidRequest("request", type(request).__name__, "a JSON object")
+    if defaults is not None and not isinstance(defaults, GenerationDefaults):
+        raise InvalidSamplingParams("defaults", defaults, "None or a GenerationDefaults (load_generation_defaults)")
     defaults = defaults if defaults is not None else GenerationDefaults(mode="vllm")
     _check_fields(request)
     chat = "messages" in request
@@ -345,8 +362,10 @@ def resolve_request(request: Mapping[str, Any], defaults: GenerationDefaults | N
         n=n,
         logprobs=_logprobs(request, chat),
         logit_bias=_logit_bias(request),
-        stop_token_ids=request.get("stop_token_ids") or (),
+        stop_token_ids=() if request.get("stop_token_ids") is None else request["stop_token_ids"],
         allowed_token_ids=request.get("allowed_token_ids"),
+        stop=request.get("stop"),
+        ignore_eos=False if request.get("ignore_eos") is None else request.get("ignore_eos"),
         min_tokens=_request_int(request, "min_tokens", 0, 0, "an int >= 0"),
         max_tokens=_max_tokens(request, defaults, chat, max_model_len, prompt_len),
     )

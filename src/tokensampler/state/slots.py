@@ -3,7 +3,9 @@
 One row per slot. Parameter columns are written when a request is admitted and read by index on
 every step; the penalty history is a prompt mask and output counts per slot over the ids the
 layout holds, updated in O(B) per step by the sampled tokens. Optional dense columns (logit bias,
-allowed ids, stop ids) are allocated on first use. A host mirror (`params`, `seeds`) lets the
+allowed ids, stop ids) are allocated on first use, and so are the bad words: a table of each slot's
+bad words and the slot's latest output tokens (as many as the longest bad word admitted, less one),
+kept on the device and shifted by every recorded token. A host mirror (`params`, `seeds`) lets the
 sampler plan a step without reading the device. Every token id given here is global; the layout
 translates it to this rank's columns (a vocabulary split keeps only its slice).
 """
@@ -17,6 +19,8 @@ import torch
 from ..core import rng
 from ..core.params import SamplingParams
 from .layout import VocabLayout
+
+_INT64_MAX = 2**63 - 1
 
 
 class SamplerState:
@@ -48,6 +52,11 @@ class SamplerState:
         self.logit_bias: torch.Tensor | None = None
         self.allowed_mask: torch.Tensor | None = None
         self.stop_mask: torch.Tensor | None = None
+        # bad words: int64 [S, words, L] global ids right-aligned (the last token in column L - 1),
+        # -1 = no constraint (padding); recent_tokens: int64 [S, L - 1], the slot's latest output
+        # tokens right-aligned (the newest last), -2 = none (a shorter output, or not kept)
+        self.bad_words: torch.Tensor | None = None
+        self.recent_tokens: torch.Tensor | None = None
         # host mirror: what the sampler needs to plan a step without a device read
         self.params: list[SamplingParams | None] = [None] * max_slots
         self.seeds: list[int | None] = [None] * max_slots
@@ -56,7 +65,32 @@ class SamplerState:
         tensors = [self.temperature, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
                    self.repetition, self.min_tokens, self.seed, self.position, self.stream, self.output_len,
                    self.prompt_mask, self.output_counts]
-        return tensors + [t for t in (self.logit_bias, self.allowed_mask, self.stop_mask) if t is not None]
+        optional = (self.logit_bias, self.allowed_mask, self.stop_mask, self.bad_words, self.recent_tokens)
+        return tensors + [t for t in optional if t is not None]
+
+    @property
+    def history_depth(self) -> int:
+        """How many of each slot's latest output tokens the state keeps (for bad words; 0: none)."""
+        return 0 if self.recent_tokens is None else self.recent_tokens.shape[1]
+
+    def _reserve_bad_words(self, num_words: int, length: int) -> torch.Tensor:
+        """The bad-word table, grown (right-aligned, contents kept) to hold `num_words` words of up
+        to `length` tokens; the kept history grows with it (new older columns: none)."""
+        table = self.bad_words
+        old_words, old_length = (0, 0) if table is None else table.shape[1:]
+        words, length = max(num_words, old_words, 1), max(length, old_length, 1)
+        if table is None or (words, length) != (old_words, old_length):
+            grown = torch.full((self.max_slots, words, length), -1, dtype=torch.int64, device=self.device)
+            if table is not None:
+                grown[:, :old_words, length - old_length:] = table
+            self.bad_words = table = grown
+        depth = length - 1
+        if depth > self.history_depth:
+            recent = torch.full((self.max_slots, depth), -2, dtype=torch.int64, device=self.device)
+            if self.recent_tokens is not None:
+                recent[:, depth - self.recent_tokens.shape[1]:] = self.recent_tokens
+            self.recent_tokens = recent
+        return table
 
     def _dense(self, name: str, dtype: torch.dtype, fill: float | bool) -> torch.Tensor:
         tensor = getattr(self, name)
@@ -84,11 +118,11 @@ class SamplerState:
 
     def write_params(self, slot: int, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
         """Write the parameter columns of `slot` (not its seed, position or history)."""
-        values = {
-            "temperature": params.temperature, "top_k": params.top_k, "top_p": params.top_p,
+        values = {  # top_k and min_tokens have no upper bound: beyond int64 they mean what 2^63 - 1 does
+            "temperature": params.temperature, "top_k": min(params.top_k, _INT64_MAX), "top_p": params.top_p,
             "min_p": params.min_p, "presence": params.presence_penalty,
             "frequency": params.frequency_penalty, "repetition": params.repetition_penalty,
-            "min_tokens": params.min_tokens,
+            "min_tokens": min(params.min_tokens, _INT64_MAX),
         }
         for name, value in values.items():
             getattr(self, name)[slot] = value
@@ -110,6 +144,13 @@ class SamplerState:
             stop[slot] = False
             if params.min_tokens > 0:
                 stop[slot, layout.local(stop_ids)] = True
+        words = params.bad_words_token_ids
+        if words or self.bad_words is not None:
+            table = self._reserve_bad_words(len(words), max((len(w) for w in words), default=1))
+            table[slot] = -1
+            length = table.shape[2]
+            for w, word in enumerate(words):  # global ids: every rank matches the same history
+                table[slot, w, length - len(word):] = torch.tensor(word, dtype=torch.int64, device=self.device)
         self.params[slot] = params
 
     def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
@@ -121,6 +162,11 @@ class SamplerState:
             self.prompt_mask[slot, torch.as_tensor(prompt, dtype=torch.int64, device=self.device)] = True
         counts = torch.bincount(torch.as_tensor(outputs, dtype=torch.int64), minlength=self.width)
         self.output_counts[slot] = counts.to(device=self.device, dtype=torch.int32)
+        depth = self.history_depth
+        if depth:
+            latest = list(output_token_ids)[-depth:]
+            row = [-2] * (depth - len(latest)) + [int(t) for t in latest]
+            self.recent_tokens[slot] = torch.tensor(row, dtype=torch.int64, device=self.device)
 
     def release(self, slot: int) -> None:
         self.params[slot] = None
@@ -143,7 +189,9 @@ class SamplerState:
         holds it, and advance the slot's position and output length: O(B), no host sync.
 
         mask: optional bool [B]; rows where it is False are left untouched (their count and
-        position get + 0, so the update has the same shape either way).
+        position get + 0, so the update has the same shape either way). When bad words are held,
+        each recorded token also enters its slot's latest output tokens (a shift by one: O(B x
+        history_depth), on the device).
         """
         ones = torch.ones_like(slots) if mask is None else mask.to(device=slots.device, dtype=torch.int64)
         if self.layout.split:
@@ -155,6 +203,12 @@ class SamplerState:
         self.output_counts.index_put_((slots, columns), counted.to(torch.int32), accumulate=True)
         self.position.index_add_(0, slots, ones)
         self.output_len.index_add_(0, slots, ones)
+        if self.recent_tokens is not None:  # the latest tokens shift by one: O(B * depth)
+            old = self.recent_tokens[slots]
+            shifted = torch.cat([old[:, 1:], tokens.to(torch.int64)[:, None]], dim=1)
+            if mask is not None:
+                shifted = torch.where(mask.to(device=slots.device)[:, None], shifted, old)
+            self.recent_tokens[slots] = shifted
 
     def set_noise(self, slots: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
                   streams: torch.Tensor) -> None:
@@ -169,7 +223,8 @@ class SamplerState:
 
         prompt_tokens None keeps the prompt mask; output_tokens None clears the output counts.
         The output length (for min_tokens) becomes the number of output ids (all of them, also
-        those another rank holds).
+        those another rank holds); the kept latest output tokens (bad words) become the last
+        `history_depth` of them (padding skipped wherever it is).
         """
         width = self.width
         if prompt_tokens is not None:
@@ -186,3 +241,13 @@ class SamplerState:
             lengths = (output_tokens >= 0).sum(dim=1)
         self.output_counts[slots] = counts[:, :width]
         self.output_len[slots] = lengths
+        depth = self.history_depth
+        if depth:
+            recent = torch.full((slots.numel(), depth + 1), -2, dtype=torch.int64, device=self.device)
+            if output_tokens is not None:  # the last `depth` real ids of each row, right-aligned
+                real = output_tokens >= 0
+                from_end = real.flip(1).cumsum(1).flip(1)  # real ids at or after each column
+                kept = real & (from_end <= depth)
+                column = torch.where(kept, depth - from_end, torch.full_like(from_end, depth))
+                recent.scatter_(1, column, torch.where(kept, output_tokens, torch.full_like(output_tokens, -2)))
+            self.recent_tokens[slots] = recent[:, :depth]

@@ -4,7 +4,9 @@ Per case, arms run in alternating rounds on the same logits tensor: the single-p
 (`logits.amax(-1)`), the plain sort-based torch pipeline most engines ship (sort, softmax, cumsum,
 multinomial), and tokensampler's `Sampler.sample`. Medians over the rounds; ratios within one run
 are what to compare (these machines are shared and noisy). Before timing, the sampler's tokens on
-the case's first step are compared with `reference.py`, token for token.
+the case's first step are compared with `reference.py`, token for token, and the sampler warms up
+(`Sampler.warmup`): the rounds time the steady state, and the warm-up's seconds are reported apart
+(per case, and for the whole run under "compile").
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ from datetime import datetime, timezone
 import torch
 
 from ..backends.native import compile as ts_compile
-from ..reference import ReferenceRequest, reference_sample
+from ..reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 from ..sampler import Sampler
 from . import bench_vllm
 from .bench_memory import step_memory_report
 from .machine import machine_info
-from .workloads import OUTPUT_LEN, WORKLOAD_MATRIX, BenchCase, make_histories, make_logits
+from .workloads import OUTPUT_LEN, WORKLOAD_MATRIX, BenchCase, make_bitmask, make_histories, make_logits
 
 QUICK_CHECK_ROWS = 4  # --quick checks this many rows per case against the reference (all otherwise)
 
@@ -37,18 +39,20 @@ def build_sampler(case: BenchCase, device: torch.device | str, prompts, outputs)
 
 
 def check_against_reference(case: BenchCase, logits: torch.Tensor, prompts, outputs,
-                            device: torch.device | str, max_rows: int | None = None) -> tuple[int, int]:
+                            device: torch.device | str, max_rows: int | None = None,
+                            bitmask: torch.Tensor | None = None) -> tuple[int, int]:
     """(rows equal to reference.py, rows checked) on the first step of a fresh sampler.
 
     The whole batch is sampled; the reference (about a second per 150k-wide row on a CPU core)
     checks the first `max_rows` rows (all by default)."""
     sampler = build_sampler(case, device, prompts, outputs)
-    got = sampler.sample(logits).token_ids.cpu()
+    got = sampler.sample(logits, token_bitmask=bitmask).token_ids.cpu()
     rows = case.batch if max_rows is None else min(max_rows, case.batch)
     requests = [ReferenceRequest(case.sampling_params(1000 + row), 1000 + row,
                                  len(prompts[row]) + len(outputs[row]), prompts[row], outputs[row])
                 for row in range(rows)]
-    want = reference_sample(logits[:rows].cpu(), requests, vocab_size=case.vocab).token_ids
+    allowed = None if bitmask is None else bitmask_allowed_ids(bitmask[:rows], case.vocab)
+    want = reference_sample(logits[:rows].cpu(), requests, vocab_size=case.vocab, allowed=allowed).token_ids
     return int((got[:rows] == want).sum()), rows
 
 
@@ -114,8 +118,10 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
              against: str | None = None) -> dict:
     logits = make_logits(case.batch, case.vocab, flat=case.flat, device=device)
     prompts, outputs = make_histories(case)
-    equal, rows = check_against_reference(case, logits, prompts, outputs, device, check_rows)
+    bitmask = make_bitmask(logits, case.bitmask_allowed) if case.bitmask_allowed else None
+    equal, rows = check_against_reference(case, logits, prompts, outputs, device, check_rows, bitmask)
     sampler = build_sampler(case, device, prompts, outputs)
+    warmup = sampler.warmup()  # steady state only: compilation (or loading) happens here, reported apart
     counts = prompt_mask = None
     if case.history:
         counts = torch.zeros(case.batch, case.vocab, device=device)
@@ -126,29 +132,36 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
     arms = {
         "floor": lambda: logits.amax(dim=-1),
         "sort_pipeline": lambda: sort_pipeline_step(logits, case, counts, prompt_mask, gen),
-        "tokensampler": lambda: sampler.sample(logits),
+        "tokensampler": lambda: sampler.sample(logits, token_bitmask=bitmask),
     }
+    if bitmask is not None:  # the same step without the mask, in the same rounds: the mask's cost
+        unmasked = build_sampler(case, device, prompts, outputs)
+        arms["tokensampler_unmasked"] = lambda: unmasked.sample(logits)
     if against == "vllm" and device.type == "cpu":
         peer = bench_vllm.vllm_arm(case, logits, prompts, outputs)
         if peer is not None:
             arms["vllm"] = peer
     times = time_arms(arms, rounds, device)
     medians = {name: statistics.median(values) for name, values in times.items()}
-    memory = step_memory_report(lambda: sampler.sample(logits), logits, case.vocab,
+    memory = step_memory_report(lambda: sampler.sample(logits, token_bitmask=bitmask), logits, case.vocab,
                                 lambda: sampler.workspace_bytes) if device.type == "cpu" else None
     return {
         "case": case.name, "batch": case.batch, "vocab": case.vocab, "params": case.params,
         "flat": case.flat, "history": case.history, "rounds": rounds,
         "median_ms": medians, "runs_ms": times,
-        "reference_rows_equal": equal, "rows": rows, "memory": memory,
+        "reference_rows_equal": equal, "rows": rows, "memory": memory, "warmup": warmup,
+        **({"bitmask_allowed": case.bitmask_allowed,
+            "mask_ratio": medians["tokensampler"] / medians["tokensampler_unmasked"]} if bitmask is not None else {}),
     }
 
 
 def format_table(results: list[dict]) -> str:
     peer = any("vllm" in r["median_ms"] for r in results)
     memory = any(r.get("memory") for r in results)
+    masked = any("mask_ratio" in r for r in results)
     header = "| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts |"
     header += " vLLM ms | vLLM / ts |" if peer else ""
+    header += " mask / unmasked |" if masked else ""
     header += " peak extra / fp32 logits |" if memory else ""
     header += " rows = reference |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
@@ -158,6 +171,8 @@ def format_table(results: list[dict]) -> str:
                 f"{m['tokensampler'] / m['floor']:.1f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x |")
         if peer:
             line += (f" {m['vllm']:.2f} | {m['vllm'] / m['tokensampler']:.1f}x |" if "vllm" in m else " - | - |")
+        if masked:
+            line += f" {r['mask_ratio']:.2f}x |" if "mask_ratio" in r else " - |"
         if memory:
             line += f" {r['memory']['ratio']:.2f} |" if r.get("memory") else " - |"
         lines.append(line + f" {r['reference_rows_equal']}/{r['rows']} |")
@@ -186,6 +201,9 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
         results.append(run_case(case, dev, n_rounds, check_rows, against))
         m = results[-1]["median_ms"]
         peer = f", vLLM {m['vllm']:.2f} ms" if "vllm" in m else ""
+        if "mask_ratio" in results[-1]:
+            peer += (f", unmasked {m['tokensampler_unmasked']:.2f} ms (mask / unmasked "
+                     f"{results[-1]['mask_ratio']:.2f}x)")
         print(f"    tokensampler {m['tokensampler']:.2f} ms, sort pipeline {m['sort_pipeline']:.2f} ms{peer}, "
               f"floor {m['floor']:.3f} ms, reference {results[-1]['reference_rows_equal']}/{case.batch}",
               file=log, flush=True)

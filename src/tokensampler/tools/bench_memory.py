@@ -9,16 +9,34 @@ small for the ops a step uses: a sort of a candidate list, a reduction's partial
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+import os
+import sys
+from typing import Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null: the profiler's C++ side prints "USDT: ... profiler_start"
+    and "profiler_stop" lines straight to it."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_extra_bytes(fn: Callable[[], object]) -> int:
     """Peak bytes allocated above the starting point while `fn()` runs (its result is dropped
     before the profile ends, so what it returns counts while it is alive)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e for e in prof.events() if e.self_cpu_memory_usage != 0),
                     key=lambda e: e.time_range.start)

@@ -22,6 +22,7 @@ class BenchCase:
     params: dict = field(default_factory=dict)
     flat: bool = False
     history: bool = False  # admit each row with a 512-token prompt and 256 output tokens
+    bitmask_allowed: int = 0  # > 0: every step gets a token bitmask allowing this many ids per row
 
     def sampling_params(self, seed: int) -> SamplingParams:
         return SamplingParams(seed=seed, **self.params)
@@ -40,6 +41,8 @@ WORKLOAD_MATRIX: tuple[BenchCase, ...] = (
     BenchCase("logprobs20_topp", 32, 151936, {"temperature": 0.8, "top_p": 0.9, "logprobs": 20}),
     BenchCase("B1_V248k_topp", 1, 248320, {"temperature": 1.0, "top_p": 0.95}),
     BenchCase("B128_V128k_k20_p0.95", 128, 128256, {"temperature": 1.0, "top_k": 20, "top_p": 0.95}),
+    # a grammar's token bitmask (xgrammar's int32 layout), 4096 ids allowed per row; its twin is topp0.9
+    BenchCase("bitmask_topp0.9", 32, 151936, {"temperature": 0.8, "top_p": 0.9}, bitmask_allowed=4096),
 )
 
 
@@ -55,6 +58,25 @@ def make_logits(batch: int, vocab: int, *, flat: bool = False, seed: int = 0,
         values = profile + 0.7 * torch.randn(vocab, generator=gen)
         rows.append(values[torch.randperm(vocab, generator=gen)])
     return torch.stack(rows).to(device)
+
+
+def make_bitmask(logits: torch.Tensor, allowed: int, seed: int = 2) -> torch.Tensor:
+    """A grammar-like token bitmask for `logits` ([B, V]): per row the 32 most likely ids (the model
+    usually wants a token the grammar allows) and random others, `allowed` in all. int32 [B, ceil(V / 32)]
+    in xgrammar's layout (bit j of word w allows id 32 w + j), on the logits' device."""
+    batch, vocab = logits.shape
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.zeros(batch, 32 * -(-vocab // 32), dtype=torch.bool)
+    top = logits.detach().cpu().topk(min(32, allowed, vocab), dim=-1).indices
+    keep.scatter_(1, top, True)
+    for row in range(batch):
+        missing = allowed - int(keep[row].sum())
+        if missing > 0:
+            free = torch.nonzero(~keep[row, :vocab]).squeeze(-1)
+            keep[row, free[torch.randperm(free.numel(), generator=gen)[:missing]]] = True
+    weights = torch.tensor([1 << j for j in range(31)] + [-(1 << 31)], dtype=torch.int64)
+    words = (keep.view(batch, -1, 32).to(torch.int64) * weights).sum(dim=-1)
+    return words.to(torch.int32).to(logits.device)
 
 
 def make_histories(case: BenchCase, seed: int = 1) -> tuple[list[list[int]], list[list[int]]]:

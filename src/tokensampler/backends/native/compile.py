@@ -5,20 +5,46 @@ and race passes in `dense`, the logprob normaliser and rank counts in `logprobs`
 dense-route noise block (`gumbel.approx_scores`). Each result is either exact (counts, maxima),
 a sum of the reference's own values in another order, or carries a proven error bound with an
 exact recheck where it could change the answer, so compiled and eager runs give the same tokens
-(docs/cpu-fast-path.md). Inductor's FX graph cache keeps the compiled artefacts across processes
-(TORCHINDUCTOR_CACHE_DIR, default under ~/.cache/tokensampler).
+(docs/cpu-fast-path.md).
+
+How a function is compiled (`CompiledFunction`): ahead of time, once per input layout, with
+`torch.compile(...).aot_compile` and the row count marked unbacked, so that one artefact serves
+every batch size (0, 1 and 2 included: no size is specialised) and a call never traces or
+recompiles. A layout is, per tensor argument, its dtype, whether it is literally contiguous (else
+whether its last dim is), and which of its other sizes are 0 or 1 (those are specialised). Views
+are passed as plain aliases of their storage, so no guard looks at a view's base. Each artefact
+is saved under inductor's own cache directory (`cache_dir()`: TORCHINDUCTOR_CACHE_DIR if the
+user set it, else inductor's default; tokensampler sets no environment variable), in a folder
+keyed by the torch and tokensampler versions, the CPU capability and the source of the compiled
+code; a later process loads it without tracing (`torch.compiler.load_compiled_function`;
+inductor's once-per-process check of the CPU's vector ISA is skipped while loading when a
+compilation on this machine passed it). A call whose inputs fail the loaded function's guards
+runs eagerly (same tokens) and is counted in `report()`. Where ahead-of-time compilation is not
+available (older torch) the function is compiled just in time. `Sampler.warmup` prepares every
+layout a sampler uses before serving (`warmup.warm`, which records what it prepared so that the
+next process only loads).
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
+import hashlib
+import json
 import os
+import platform
+import shutil
+import sys
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
-_COMPILED: dict[str, Callable] = {}
-_COMPILE_SECONDS: dict[str, float] = {}
+import torch
+
+_FUNCTIONS: dict[str, "CompiledFunction"] = {}
 _LOCK = threading.RLock()
+_SOURCE_KEY: list[str] = []
 
 
 def enabled() -> bool:
@@ -27,47 +53,326 @@ def enabled() -> bool:
 
 
 def cache_dir() -> str:
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR",
-                                 os.path.join(os.path.expanduser("~"), ".cache", "tokensampler", "inductor"))
+    """Where inductor keeps its compiled artefacts (read only: this changes no environment variable)."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+
+
+def _source_key() -> str:
+    """A digest of what the compiled code depends on: versions, CPU capability, the sources."""
+    if not _SOURCE_KEY:
+        digest = hashlib.sha256()
+        for part in (torch.__version__, sys.version, platform.machine(),
+                     torch.backends.cpu.get_cpu_capability()):
+            digest.update(str(part).encode())
+        package = Path(__file__).resolve().parents[2]
+        sources = [*package.joinpath("backends", "native").glob("*.py"), *package.joinpath("core").glob("*.py")]
+        for path in sorted(sources):
+            digest.update(path.read_bytes())
+        _SOURCE_KEY.append(digest.hexdigest()[:20])
+    return _SOURCE_KEY[0]
+
+
+def artefact_dir() -> Path:
+    """The folder of this installation's precompiled functions (under `cache_dir()`)."""
+    return Path(cache_dir()) / "tokensampler" / _source_key()
+
+
+def _record_isa() -> None:
+    """After a compilation: note that inductor's CPU vector ISA check passed on this machine (the
+    artefact folder is keyed by the CPU capability), so that loads skip re-running it."""
+    marker = artefact_dir() / "isa-checked"
+    if not marker.exists():
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+        if pick_vec_isa():
+            marker.write_text(str(pick_vec_isa()))
+
+
+@contextlib.contextmanager
+def _probed_isa():
+    """While loading: tell inductor the vector ISA is usable when a compilation on this machine
+    found it so (`_record_isa`). Inductor otherwise checks it once per process by building and
+    loading a probe library in child processes, about a second on a 2-core machine."""
+    if not (artefact_dir() / "isa-checked").exists():
+        yield
+        return
+    import torch._inductor.config as inductor_config
+    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+        yield
+
+
+def _plain(value: Any) -> Any:
+    """A view as an alias of its storage with no base (guards then never read a base's sizes), the
+    stride of a dim of size 0 or 1 (never used to address an element) set to the contiguous one, and
+    an inference tensor (made under `torch.inference_mode`, as vLLM samples) as an ordinary alias (the
+    guards check a tensor's dispatch keys). Called outside inference mode."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    strides, stride = list(value.stride()), 1
+    for dim in range(value.dim() - 1, -1, -1):
+        if value.shape[dim] <= 1:
+            strides[dim] = stride
+        stride *= max(value.shape[dim], 1)
+    if value._base is None and strides == list(value.stride()) and not value.is_inference():
+        return value
+    return value.new_empty(0).set_(value.untyped_storage(), value.storage_offset(), value.size(), strides)
+
+
+def _layout(args: Sequence[Any], rows: Sequence[int]) -> tuple:
+    """What selects a compiled variant: per tensor, dtype, literal contiguity (or contiguous last dim,
+    or neither), sizes 0/1 off the row dim."""
+    key = []
+    for index, value in enumerate(args):
+        if not isinstance(value, torch.Tensor):
+            key.append(("value", type(value).__name__))
+            continue
+        expected, stride = [], 1
+        for size in reversed(value.shape):
+            expected.append(stride)
+            stride *= size
+        contiguous = ("contiguous" if tuple(value.stride()) == tuple(reversed(expected))
+                      else "rows" if value.dim() and value.stride(-1) == 1 else "strided")
+        small = tuple(min(size, 2) if dim or index not in rows else -1 for dim, size in enumerate(value.shape))
+        key.append((str(value.dtype), contiguous, small))
+    return tuple(key)
+
+
+def _refused(error: RuntimeError) -> bool:
+    """True when `error` is a precompiled function's guards refusing its inputs."""
+    return "GuardManager check failed" in str(error)
+
+
+def _aot_available() -> bool:
+    return hasattr(torch.compiler, "load_compiled_function") and not os.environ.get("TOKENSAMPLER_COMPILE_JIT")
+
+
+class CompiledFunction:
+    """`fn` compiled per input layout (see the module docstring); called like `fn`.
+
+    rows: the positions of the tensor arguments whose dim 0 is the row count (marked unbacked);
+    unbacked: further (position, dim) pairs to mark unbacked (e.g. a reduction that must keep its
+    sequential order)."""
+
+    def __init__(self, name: str, fn: Callable, rows: Sequence[int] | None, unbacked: Sequence[tuple[int, int]]):
+        self.name, self.fn = name, fn
+        self.rows, self.unbacked = rows, tuple(unbacked)
+        self._layouts: dict[str, tuple] = {}
+        self.refusals: list[str] = []  # the first guard refusals (report)
+        self.variants: dict[tuple, Callable] = {}
+        self.files: dict[tuple, Path] = {}  # layout -> its artefact on disk (`save_manifest`)
+        self.stats = {"loaded": 0, "compiled": 0, "fallbacks": 0, "seconds": 0.0}
+
+    def __call__(self, *args: Any) -> Any:
+        if torch.is_inference_mode_enabled():  # the artefacts are made and guarded outside it
+            with torch.inference_mode(False):
+                return self(*args)
+        if torch.is_grad_enabled():  # ... and without autograd
+            with torch.no_grad():
+                return self(*args)
+        args = tuple(_plain(a) for a in args)
+        rows = range(len(args)) if self.rows is None else self.rows
+        layout = _layout(args, rows)
+        variant = self.variants.get(layout)
+        if variant is None:
+            with _LOCK:
+                if layout not in self.variants:
+                    return self._prepare(layout, args, rows)
+                variant = self.variants[layout]
+        try:
+            return variant(*args)
+        except RuntimeError as error:
+            if not _refused(error):
+                raise
+            self.stats["fallbacks"] += 1  # inputs this variant's guards do not cover: eager, same tokens
+            if len(self.refusals) < 3:
+                self.refusals.append(f"{layout!r}: {error}"[:2000])
+            return self.fn(*args)
+
+    def _path(self, layout: tuple) -> Path:
+        path = artefact_dir() / f"{self.name}-{hashlib.sha256(repr(layout).encode()).hexdigest()[:16]}.bin"
+        self._layouts[path.name] = layout
+        return path
+
+    def _layout_of(self, path: Path) -> tuple:
+        return self._layouts[path.name]
+
+    def preload(self, layout: tuple) -> bool:
+        """Load the artefact of `layout` (no call: a refusal later runs eagerly). False if absent."""
+        if layout in self.variants:
+            return True
+        with _LOCK:
+            start = time.perf_counter()
+            variant = self._load(self._path(layout))
+            if variant is None:
+                return False
+            self.files[layout] = self._path(layout)
+            self._keep(layout, variant, start)
+            return True
+
+    def _prepare(self, layout: tuple, args: tuple, rows: Sequence[int]) -> Any:
+        """Load (or compile and save) the variant of `layout`, keep it, and return its result on `args`.
+        A loaded artefact that refuses the inputs it was made for is compiled again."""
+        start = time.perf_counter()
+        if not _aot_available():
+            variant = self._jit(rows)
+        else:
+            path = self._path(layout)
+            variant = self._load(path)
+            if variant is not None:
+                self.files[layout] = path
+                try:
+                    result = variant(*args)
+                except RuntimeError as error:
+                    if not _refused(error):
+                        raise
+                    variant = None
+                else:
+                    self._keep(layout, variant, start)
+                    return result
+            if variant is None:
+                variant = self._compile(path, args, rows)
+        result = variant(*args)
+        self._keep(layout, variant, start)
+        return result
+
+    def _keep(self, layout: tuple, variant: Callable, start: float) -> None:
+        self.stats["seconds"] += time.perf_counter() - start
+        self.variants[layout] = variant
+
+    def _load(self, path: Path) -> Callable | None:
+        if not path.is_file():
+            return None
+        try:
+            with path.open("rb") as handle, _probed_isa():
+                variant = torch.compiler.load_compiled_function(handle, f_globals=self.fn.__globals__)
+        except Exception:  # noqa: BLE001 - a stale or partly written artefact: compile it again
+            return None
+        self.stats["loaded"] += 1
+        return variant
+
+    def _compile(self, path: Path, args: tuple, rows: Sequence[int]) -> Callable:
+        example = self._marked(args, rows)
+        variant = torch.compile(self.fn, fullgraph=True, dynamic=True).aot_compile((example, {}))
+        self.stats["compiled"] += 1
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+            variant.save_compiled_function(str(partial))
+            os.replace(partial, path)
+            self.files[self._layout_of(path)] = path
+            _record_isa()
+        except OSError:  # an unwritable cache: this process keeps its compiled function
+            pass
+        return variant
+
+    def _marked(self, args: tuple, rows: Sequence[int]) -> tuple:
+        """Fresh aliases of the tensor arguments with the row dims (and `unbacked`) marked unbacked
+        (the marks stay off the caller's tensors)."""
+        from torch._dynamo.decorators import mark_unbacked
+        marked = tuple(a.new_empty(0).set_(a.untyped_storage(), a.storage_offset(), a.size(), a.stride())
+                       if isinstance(a, torch.Tensor) else a for a in args)
+        for index in rows:
+            if isinstance(marked[index], torch.Tensor) and marked[index].dim():
+                mark_unbacked(marked[index], 0)
+        for index, dim in self.unbacked:
+            mark_unbacked(marked[index], dim)
+        return marked
+
+    def _jit(self, rows: Sequence[int]) -> Callable:
+        inner = torch.compile(self.fn, dynamic=True, fullgraph=True)
+        self.stats["compiled"] += 1
+
+        def call(*args: Any) -> Any:
+            with _LOCK:  # dynamo may trace inside the call
+                return inner(*self._marked(args, rows))
+        return call
+
+
+def register(name: str, fn: Callable, rows: Sequence[int] | None = None,
+             unbacked: Sequence[tuple[int, int]] = ()) -> None:
+    """Declare a compiled function at import (so that warm-up can load its artefacts by name).
+
+    rows: positions of the arguments whose dim 0 is the row count (default: every tensor's)."""
+    with _LOCK:
+        _FUNCTIONS.setdefault(name, CompiledFunction(name, fn, rows, unbacked))
 
 
 def maybe_compiled(name: str, fn: Callable) -> Callable:
-    """`fn` compiled by inductor (dynamic shapes, cached per process and on disk) when enabled.
-
-    Calls are serialised by one process-wide lock, a precaution: dynamo traces and compiles (and
-    recompiles for a new shape) inside the call, and the samplers of a thread-per-rank vocabulary
-    split run in one process."""
+    """The registered `CompiledFunction` of `name` (registered now if it is not) when compile is
+    enabled, else `fn`."""
     if not enabled():
         return fn
-    with _LOCK:
-        compiled = _COMPILED.get(name)
-        if compiled is None:
-            import torch
-            cache_dir()
-            inner = torch.compile(fn, dynamic=True, fullgraph=True)
-
-            def compiled(*args, _inner=inner):
-                with _LOCK:
-                    if name not in _COMPILE_SECONDS:
-                        start = time.perf_counter()
-                        result = _inner(*args)
-                        _COMPILE_SECONDS[name] = time.perf_counter() - start  # the first call
-                        return result
-                    return _inner(*args)
-
-            _COMPILED[name] = compiled
+    compiled = _FUNCTIONS.get(name)
+    if compiled is None:
+        register(name, fn)
+        compiled = _FUNCTIONS[name]
     return compiled
 
 
+def _manifest(signature: str) -> Path:
+    return artefact_dir() / f"warm-{hashlib.sha256(signature.encode()).hexdigest()[:16]}.json"
+
+
+def save_manifest(signature: str) -> None:
+    """Record which artefacts a warm-up with this `signature` prepared (`preload_manifest`). An
+    artefact this process holds from another cache directory (the user changed
+    TORCHINDUCTOR_CACHE_DIR since) is copied into the current one first, so the record is complete."""
+    entries = []
+    for name, function in sorted(_FUNCTIONS.items()):
+        for layout, source in sorted(function.files.items(), key=lambda item: repr(item[0])):
+            target = function._path(layout)
+            if source != target and not target.is_file():
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    partial = target.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+                    shutil.copyfile(source, partial)
+                    os.replace(partial, target)
+                except OSError:
+                    continue
+            entries.append([name, repr(layout)])
+    path = _manifest(signature)
+    try:
+        partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
+        partial.write_text(json.dumps(entries))
+        os.replace(partial, path)
+    except OSError:
+        pass
+
+
+def preload_manifest(signature: str) -> bool:
+    """Load every artefact a previous warm-up with this `signature` recorded. False (having loaded
+    what it could) when there is no record or an artefact is missing or unreadable."""
+    if not _aot_available():
+        return False
+    try:
+        entries = json.loads(_manifest(signature).read_text())
+    except (OSError, ValueError):
+        return False
+    complete = True
+    for name, layout in entries:
+        function = _FUNCTIONS.get(name)
+        if function is None:  # registered at run time by the recording process only (not the step's)
+            continue
+        complete &= function.preload(ast.literal_eval(layout))
+    return complete
+
+
+def prepared() -> int:
+    """How many variants this process has compiled or loaded so far (warm-up is complete when
+    serving leaves this unchanged)."""
+    return sum(f.stats["loaded"] + f.stats["compiled"] for f in _FUNCTIONS.values())
+
+
+def layouts() -> list[str]:
+    """"name layout" of every variant this process holds (what a warm-up prepared, for reports)."""
+    return [f"{name} {layout!r}" for name, f in sorted(_FUNCTIONS.items()) for layout in f.variants]
+
+
 def report() -> dict:
-    """What the bench records: whether compile was on, where its cache lives, the wall time of each
-    compiled function's first call (compile or cache load included) and dynamo's compile seconds."""
-    out = {"enabled": enabled(), "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-           "first_call_seconds": dict(_COMPILE_SECONDS)}
-    if _COMPILED:
-        try:
-            from torch._dynamo.utils import compile_times
-            out["dynamo_compile_times"] = compile_times(repr="str")
-        except Exception:  # noqa: BLE001 - a private API: report what exists
-            pass
-    return out
+    """What the bench records: whether compile was on, where its artefacts live, and per compiled
+    function its variants, loads, compilations, eager fallbacks and seconds spent preparing."""
+    functions = {name: {"variants": len(f.variants), **f.stats, **({"refusals": f.refusals} if f.refusals else {})}
+                 for name, f in _FUNCTIONS.items()}
+    return {"enabled": enabled(), "cache_dir": cache_dir(), "ahead_of_time": _aot_available() if _FUNCTIONS else None,
+            "functions": functions,
+            "first_call_seconds": {name: f["seconds"] for name, f in functions.items()}}

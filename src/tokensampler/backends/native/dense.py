@@ -38,6 +38,7 @@ from ...core.constants import NEG_INF, POS_INF
 from . import compile as ts_compile
 from . import gumbel, select
 from .config import DEFAULT, NativeConfig
+from .host import numpy_module
 from .indexing import column_chunks, nonzero_ids
 from .select import relative_probs
 
@@ -57,7 +58,7 @@ def _threshold_pass(p: torch.Tensor, z: torch.Tensor, thresholds: torch.Tensor, 
     p64 = p.to(torch.float64)
     masses = [torch.where(z >= thresholds[:, j:j + 1], p64, 0.0).sum(dim=-1) for j in range(thresholds.shape[1])]
     m = _race_m(key32[:, None], ids)
-    odds = p * ((_TWO_POW_24 - 0.5) - m) / (m + 0.5)  # p u / (1 - u)
+    odds = p * ((2.0**24 - 0.5) - m) / (m + 0.5)  # p u / (1 - u); a literal (no float global guard)
     best = torch.where(z >= floor[:, None], odds, 0.0).amax(dim=-1)
     return torch.stack(masses, dim=-1), best
 
@@ -70,6 +71,10 @@ def _race_pass(p: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor, key32:
     lowest = torch.where(passed, ids, _NO_ID).amin(dim=-1)  # ids are the block's absolute ids
     highest = torch.where(passed, ids, -1).amax(dim=-1)
     return count, lowest, highest
+
+
+ts_compile.register("dense_threshold_pass", _threshold_pass, rows=(0, 1, 2, 3, 4))  # ids: the block's columns
+ts_compile.register("dense_race_pass", _race_pass, rows=(0, 1, 2, 3, 4))
 
 
 def _column_blocks(z: torch.Tensor, config: NativeConfig) -> list[tuple[int, int]]:
@@ -114,13 +119,9 @@ def race_pass(p: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor, key32: 
 def sorted_descending(values: torch.Tensor) -> torch.Tensor:
     """values (float32 [R, W], no NaN) sorted descending along the last dim. On the CPU through
     numpy when it is there: torch.sort costs ~10x more on these small rows."""
-    if values.device.type == "cpu":
-        try:
-            import numpy
-        except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-            numpy = None
-        if numpy is not None:
-            return torch.from_numpy(numpy.sort(values.numpy(), axis=-1)).flip(-1)
+    numpy = numpy_module() if values.device.type == "cpu" else None
+    if numpy is not None:
+        return torch.from_numpy(numpy.sort(values.numpy(), axis=-1)).flip(-1)
     return torch.sort(values, dim=-1, descending=True).values
 
 

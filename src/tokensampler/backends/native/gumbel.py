@@ -26,8 +26,6 @@ from . import compile as ts_compile
 from .config import DEFAULT
 
 NOISE_ERROR = 1e-4  # bound on |g~ - g| (the measured worst case is ~2e-6)
-_TWO_POW_24 = float(2**24)
-_INV_TWO_POW_24 = 0.5**24
 
 
 def approx_gumbel(bits: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
@@ -35,15 +33,16 @@ def approx_gumbel(bits: torch.Tensor, *, in_place: bool = False) -> torch.Tensor
 
     u = (k + 0.5) / 2^24 with k = bits >>> 8; -log(u) is taken as log(u) for u < 1/2 and as
     log1p(-(1 - u)) above, where both u and 1 - u are exact in float32. in_place=True reuses the
-    temporaries (large eager lists); the default form fuses under torch.compile.
+    temporaries (large eager lists); the default form fuses under torch.compile. (Constants are
+    literals: a loaded precompiled function cannot guard on a module's float globals.)
     """
     k = rng.uniform_index_words(bits).to(torch.float32)
     if in_place:
-        low = torch.log((k + 0.5).mul_(_INV_TWO_POW_24))
-        high = torch.log1p(((_TWO_POW_24 - k).sub_(0.5)).mul_(-_INV_TWO_POW_24))
+        low = torch.log((k + 0.5).mul_(0.5**24))
+        high = torch.log1p(((2.0**24 - k).sub_(0.5)).mul_(-0.5**24))
         return torch.where(k < 2**23, low, high).neg_().log_().neg_()
-    low = torch.log((k + 0.5) * _INV_TWO_POW_24)
-    high = torch.log1p(((_TWO_POW_24 - k) - 0.5) * -_INV_TWO_POW_24)
+    low = torch.log((k + 0.5) * 0.5**24)
+    high = torch.log1p(((2.0**24 - k) - 0.5) * -0.5**24)
     return -torch.log(-torch.where(k < 2**23, low, high))
 
 
@@ -54,6 +53,9 @@ def approx_scores(key32: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, thres
     g = approx_gumbel(rng.hash32_words(key32 ^ ids))
     removed = (z < threshold) | (z == NEG_INF)
     return torch.where(removed, NEG_INF, z + g)
+
+
+ts_compile.register("approx_scores", approx_scores, rows=(0, 2, 3))  # ids: the block's columns
 
 
 def exact_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

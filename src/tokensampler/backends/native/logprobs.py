@@ -129,6 +129,10 @@ def _counts(x3: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return (x3 >= threshold[:, None, None]).sum(dim=(1, 2), dtype=torch.int32)
 
 
+ts_compile.register("logprob_lanes", _lane_sums, unbacked=((0, 1),))  # dim 1 unbacked: a fixed-order sum
+ts_compile.register("logprob_counts", _counts)
+
+
 def _fold_lanes(lanes: torch.Tensor) -> torch.Tensor:
     """ATen's `vec_reduce_all` for a sum: fold the lanes in halves (lane i + lane i + half)."""
     while lanes.shape[-1] > 1:
@@ -144,7 +148,7 @@ def normaliser(scores: torch.Tensor, row_max: torch.Tensor, lanes: int) -> torch
     rows, vocab = scores.shape
     main = vocab - vocab % lanes
     x3 = scores[:, :main].unflatten(-1, (main // lanes, lanes))
-    torch._dynamo.decorators.mark_unbacked(x3, 1)  # a fixed-order sum: no cascade summation
+    # x3's dim 1 unbacked: a fixed-order sum (no cascade summation)
     sums = ts_compile.maybe_compiled("logprob_lanes", _lane_sums)(x3, row_max)
     if main < vocab:  # ATen adds the tail vector into the first lanes
         sums = sums.clone()

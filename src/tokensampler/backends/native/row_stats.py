@@ -41,6 +41,11 @@ def _count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, s
     return _count(z, floor), _tail(z, z_max, floor, scale)
 
 
+ts_compile.register("winnable_count", _count)
+ts_compile.register("count_and_tail", _count_and_tail)
+ts_compile.register("tail_mass", _tail)
+
+
 def _count_eager(z: torch.Tensor, floor: torch.Tensor, chunk: int) -> torch.Tensor:
     """Column chunk by chunk: a bool sum converts its whole input to int first."""
     count = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)

@@ -2,11 +2,14 @@
 
 Float32 batches that need no edit before temperature except penalties run on the caller's logits
 (the direct route: values divided where read, penalties written at the seen ids and restored).
-Others, and flat rows, are cut into row blocks of about `BLOCK_ELEMENTS` logits, each copied once
+Others, and flat rows, are cut into row blocks of about `NativeConfig.block_elements` logits, each copied once
 into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
 
 1. float32 logits, padding and NaN removed                     `masking.prepare_logits_into`
-3. allowed ids; stop and EOS ids below min_tokens               `remove_disallowed`, `remove_stop_ids`
+3. allowed ids, the call's token bitmask, bad words (on the slot's latest output tokens); stop and
+   EOS ids below min_tokens                                     `masking`: `remove_disallowed`,
+                                                                `remove_by_bitmask`, `banned_tokens`,
+                                                                `remove_stop_ids`
 4. logit bias (rows that have one)                              `z + bias`
 5. penalties (penalised rows, at the ids they have seen)        `penalties.apply_penalties_rows_`
 6. greedy rows: lowest id among the maxima                      `first_argmax` (no copy if nothing to edit)
@@ -34,14 +37,14 @@ from ...core.plan import StepPlan, has_penalties
 from ...state import SamplerState
 from . import compile as ts_compile
 from . import fused, logprobs, masking, penalties
-from .argmax import first_argmax
+from .argmax import block_maxima, first_argmax
 from .config import DEFAULT, NativeConfig
 from .indexing import read_at, write_at
 
 
 def _plain_greedy(p: SamplingParams) -> bool:
     return (p.greedy and not has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
-            and p.min_tokens == 0)
+            and p.min_tokens == 0 and not p.bad_words_token_ids)
 
 
 def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
@@ -62,15 +65,20 @@ class TorchStep:
         self._z_workspace: torch.Tensor | None = None
         self._p_workspace: torch.Tensor | None = None
 
-    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None) -> SamplerOutput:
+    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
+            token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Steps 1-13 for the rows of `logits` ([B, Vp]) and the slots of `plan`; rows where the
-        bool [B] `record` is False are sampled but their slot's history is left as it was."""
+        bool [B] `record` is False are sampled but their slot's history is left as it was.
+        token_bitmask: int32 [B, W >= ceil(V / 32)] (xgrammar's layout, checked by the Sampler):
+        this step removes every id whose bit is 0. Masked batches take the block route, which
+        unpacks each block's bits right after its float32 copy (docs/cpu-fast-path.md)."""
         index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
-        out = self._sample(logits, index, plan)
+        out = self._sample(logits, index, plan, token_bitmask)
         self.state.record_tokens(index, out.token_ids, record)
         return out
 
-    def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan) -> SamplerOutput:
+    def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
+                token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Steps 1-12: plain greedy batches on the logits themselves; else the direct route
         (`_run_direct`) where it applies; else (or when it hands the call back) one block of
         consecutive rows at a time through the workspace. No buffer of the logits' size is
@@ -87,29 +95,30 @@ class TorchStep:
                                     torch.zeros(batch, dtype=torch.int64, device=device),
                                     torch.full((batch, width), -1, dtype=torch.int64, device=device),
                                     torch.full((batch, width), NEG_INF, dtype=torch.float32, device=device))
-        if all(_plain_greedy(p) for p in rows) and not plan.wants_logprobs:
+        if token_bitmask is None and all(_plain_greedy(p) for p in rows) and not plan.wants_logprobs:
             self._run_plain_greedy(logits, tokens, valid)
             if bool(valid.all()):
                 return SamplerOutput(tokens, valid, None)
-        if self.config.direct_route and self._direct_applies(logits, plan, rows):
+        if self.config.direct_route and token_bitmask is None and self._direct_applies(logits, plan, rows):
             if self._run_direct(logits, index, rows, plan, tokens, valid, result):
                 return SamplerOutput(tokens, valid, result)
-        size = self._block_rows
+        elements = self.config.block_elements if token_bitmask is None else self.config.masked_block_elements
+        size = max(1, elements // self.vocab_size)
         for start in range(0, batch, size):
             stop = min(batch, start + size)
-            self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result)
+            self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result, token_bitmask)
         return SamplerOutput(tokens, valid, result)
 
     def _direct_applies(self, logits: torch.Tensor, plan: StepPlan, rows: list[SamplingParams]) -> bool:
         """The route on the caller's logits: float32 on a CPU, nothing to remove or add before
-        temperature except penalties (no allowed ids, min_tokens, bias) and no processed logprobs
-        (they read the edited z). Penalties need rows that do not share memory (they are written
-        in place and restored)."""
+        temperature except penalties and bad words (no allowed ids, token bitmask, min_tokens,
+        bias) and no processed logprobs (they read the edited z). Penalties and bad words need
+        rows that do not share memory (they are written in place and restored)."""
         edits = plan.allowed_ids or plan.min_tokens or plan.logit_bias
         processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
         if logits.dtype != torch.float32 or edits or processed or logits.device.type != "cpu":
             return False
-        if plan.penalties:
+        if plan.penalties or plan.bad_words:
             separate_rows = logits.stride(1) == 1 and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])
             writable = not logits.requires_grad and (not logits.is_inference() or torch.is_inference_mode_enabled())
             return separate_rows and writable
@@ -117,25 +126,40 @@ class TorchStep:
 
     def _run_direct(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
                     tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None) -> bool:
-        """Steps 5-12 on the caller's logits, all rows at once: no workspace copy, no in-place
-        division (values are divided where they are read). Penalised rows get their penalised
-        values written at the ids they have seen, and the original values back before returning.
-        Returns False, having changed nothing, when a row needs the block route (NaN or +inf in
-        the logits, a row emptied, a row too flat for a candidate list)."""
+        """Steps 3 (bad words) and 5-12 on the caller's logits, all rows at once: no workspace
+        copy, no in-place division (values are divided where they are read). Penalised rows get
+        their penalised values written at the ids they have seen, rows with bad words -inf at the
+        ids they ban, and the original values back before returning. Returns False, having changed
+        nothing, when a row needs the block route (NaN or +inf in the logits, a row emptied, a row
+        too flat for a candidate list)."""
         z = logits[:, :self.vocab_size]
         edits = self._penalty_edits(z, index, rows) if plan.penalties else None
-        if edits is None:
+        banned = self._banned_cells(index) if plan.bad_words else None
+        if edits is None and banned is None:
             return self._sample_direct(logits, z, index, rows, plan, tokens, valid, result)
-        row_index, ids, penalised = edits
-        original = read_at(z, row_index, ids)
-        write_at(z, row_index, ids, penalised)
+        # every original value is read before anything is written (a banned id may be penalised)
+        originals = [(r, i, read_at(z, r, i)) for r, i in ([edits[:2]] if edits is not None else [])
+                     + ([banned] if banned is not None else [])]
+        if edits is not None:
+            write_at(z, *edits)
+        if banned is not None:
+            write_at(z, *banned, torch.full(banned[0].shape, NEG_INF, dtype=z.dtype, device=z.device))
         try:
             done = self._sample_direct(logits, z, index, rows, plan, tokens, valid, None, edited=True)
         finally:
-            write_at(z, row_index, ids, original)
+            for row_index, ids, original in originals:
+                write_at(z, row_index, ids, original)
         if done and result is not None:  # raw scores: after the original values are back
             self._direct_logprobs(logits, tokens, plan, result)
         return done
+
+    def _banned_cells(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(row, id) of every id the bad words of the rows' slots ban this step, or None."""
+        st = self.state
+        if st.bad_words is None:
+            return None
+        recent = None if st.recent_tokens is None else st.recent_tokens[slots]
+        return masking.banned_cells(masking.banned_tokens(st.bad_words[slots], recent))
 
     def _penalty_edits(self, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams]
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -149,7 +173,9 @@ class TorchStep:
     def _sample_direct(self, logits: torch.Tensor, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
                        plan: StepPlan, tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None,
                        edited: bool = False) -> bool:
-        z_max = z.amax(dim=-1)
+        all_greedy = all(p.greedy for p in rows)
+        block_max = block_maxima(z) if all_greedy else None  # one read gives the max and the argmax
+        z_max = z.amax(dim=-1) if block_max is None else block_max.amax(dim=-1)
         if not bool((torch.isfinite(z_max) | torch.isneginf(z_max)).all()):  # NaN or +inf somewhere
             return False
         row_valid = z_max > NEG_INF
@@ -170,7 +196,9 @@ class TorchStep:
                 return False
             row_tokens[group] = drawn
         greedy = [b for b, p in enumerate(rows) if p.greedy and valid_host[b]]
-        if greedy:
+        if greedy and len(greedy) == len(rows):  # every row: no copy of the rows
+            row_tokens.copy_(first_argmax(z, block_max=block_max))
+        elif greedy:
             row_tokens[greedy] = first_argmax(z[greedy])
         tokens.copy_(row_tokens)
         valid.copy_(row_valid)
@@ -222,15 +250,22 @@ class TorchStep:
 
     def _run_block(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
                    plan: StepPlan, start: int, stop: int, tokens: torch.Tensor, valid: torch.Tensor,
-                   result: LogprobsOutput | None) -> None:
+                   result: LogprobsOutput | None, token_bitmask: torch.Tensor | None = None) -> None:
         st = self.state
         block_params = rows[start:stop]
         slots = index[start:stop]
         z = masking.prepare_logits_into(self._workspace(stop - start), logits[start:stop])
         raw_stats = self._raw_logprob_stats(z, plan, start, stop) if result is not None else None
-        may_empty = plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias
+        may_empty = (plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias or plan.bad_words
+                     or token_bitmask is not None)
         if any(p.allowed_token_ids is not None for p in block_params):
             masking.remove_disallowed(z, st.allowed_mask[slots])
+        if token_bitmask is not None:  # the block's bits, applied while its copy is in cache
+            masking.remove_by_bitmask(z, token_bitmask[start:stop], buffer=self._dense_buffer)
+        if any(p.bad_words_token_ids for p in block_params):
+            banned = self._banned_cells(slots)
+            if banned is not None:
+                write_at(z, *banned, torch.full(banned[0].shape, NEG_INF, dtype=z.dtype, device=z.device))
         if any(p.min_tokens > 0 for p in block_params) and st.stop_mask is not None:
             masking.remove_stop_ids(z, st.stop_mask[slots], st.output_len[slots] < st.min_tokens[slots])
         biased = _positions(block_params, lambda p: bool(p.logit_bias))
@@ -267,7 +302,13 @@ class TorchStep:
                 if raw_argmax is None:
                     raw_argmax = first_argmax(masking.prepare_logits(logits[start:stop], self.vocab_size))
         if sampled:
-            block_tokens[sampled] = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
+            drawn = None
+            if token_bitmask is not None and not processed and bool(torch.isfinite(z_max[sampled]).all()):
+                # a masked block: divided where read, as the direct route (no division pass over it)
+                drawn = self._sample_rows(z, z_max, slots, block_params, sampled, False, in_place=False)
+            if drawn is None:
+                drawn = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
+            block_tokens[sampled] = drawn
         if raw_argmax is not None:
             block_tokens = torch.where(block_valid, block_tokens, raw_argmax)
         tokens[start:stop] = block_tokens

@@ -6,9 +6,9 @@ several ranks) are removed. The step follows the order of the definition, with a
 wherever a stage needs the whole row; it moves a few numbers per row, never the slice:
 
     summaries   all-gather [B, 5 (+3)]: raw and processed row max and first id (+ sum-exp, #+inf)
-    top-k       all-gather [B, min(k_max, Vp/W)]: each rank's top-k candidates (rows with top-k)
-    top-p       `merge.bisection_rounds(P)` all-gathers [B, P (+1)]: float64 mass above P pivots
-    winner      all-gather [B, 6]: (z + g, global id, ...) of each rank's Gumbel winner
+    top-k       all-gather [S, min(k_max, Vp/W)]: each rank's top-k candidates (S sampled rows)
+    top-p       `merge.bisection_rounds(P)` all-gathers [S, P (+1)]: float64 mass above P pivots
+    winner      all-gather [S, 4 (+3)]: (z + g, global id, raw and processed value) of each rank's winner
     logprobs    all-gather [B, 1 + 2 N]: count of ids ranked above the token, local top-N
 
 (The `Sampler`'s agreement on the call, before the step, is one more all-gather of int64 [4].)
@@ -31,7 +31,7 @@ from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...parallel.transport import Exchange
 from ...state import SamplerState
-from ..native import penalties
+from ..native import masking, penalties
 from . import merge as sel
 
 DEFAULT_TOP_P_PIVOTS = 255
@@ -46,14 +46,24 @@ def _saturated_value(value: torch.Tensor, has_posinf: torch.Tensor) -> torch.Ten
     return saturate_posinf(value[:, None], has_posinf)[:, 0]
 
 
-def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan):
-    """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf."""
+def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
+                 token_bitmask: torch.Tensor | None = None):
+    """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf.
+    The token bitmask is read at this rank's bits (global ids offset..); bad words ban global ids,
+    each removed on the rank that holds it."""
     st = split.state
     z = logits.to(torch.float32, copy=True)
     z.masked_fill_(torch.isnan(z) | split.padding[None, :], NEG_INF)
     raw = z.clone()
     if plan.allowed_ids:
         z.masked_fill_(~st.allowed_mask[index], NEG_INF)
+    if token_bitmask is not None:
+        masking.remove_by_bitmask(z, token_bitmask, split.offset)
+    if plan.bad_words and st.bad_words is not None:
+        recent = None if st.recent_tokens is None else st.recent_tokens[index]
+        cells = masking.banned_cells(masking.banned_tokens(st.bad_words[index], recent), split.offset, split.width)
+        if cells is not None:
+            z[cells] = NEG_INF
     if plan.min_tokens and st.stop_mask is not None:
         below = st.output_len[index] < st.min_tokens[index]
         z.masked_fill_(st.stop_mask[index] & below[:, None], NEG_INF)
@@ -105,7 +115,7 @@ def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: to
 
 
 def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                   row_params: Sequence[SamplingParams]) -> SamplerOutput:
+                   row_params: Sequence[SamplingParams], token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
     """Steps 1-12 on this rank's slice, every rank computing the same result.
 
     Parameters
@@ -114,13 +124,14 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
     logits: [B, width], this rank's columns of the batch (fp32, fp16 or bf16).
     index: int64 [B], the slot of each row.
     plan: the step plan; row_params: the rows' parameters (host mirror).
+    token_bitmask: int32 [B, W], the whole (global) mask of the call, or None.
 
     Returns
     -------
     SamplerOutput with global token ids, equal on every rank to the unsplit sampler's output on
     the concatenated logits."""
     st, ex, offset = split.state, split.exchange, split.offset
-    raw, z = _processed_z(split, logits, index, plan)
+    raw, z = _processed_z(split, logits, index, plan, token_bitmask)
 
     # summaries of the raw and processed rows: max and its first id (+ sum-exp, #+inf for log-probs)
     mode = split.logprobs_mode if plan.wants_logprobs else None
@@ -153,6 +164,12 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
         temperature = st.temperature[slots]
         zs = z[rows] / temperature[:, None]
         row_max = z_max_sat[rows] / temperature  # division by T > 0 keeps the order: the new max
+        # every kept id underflows to -inf at the division: no id left, the raw greedy id, invalid
+        emptied = valid[rows] & torch.isneginf(row_max)
+        valid[rows] &= ~emptied
+        tokens[rows] = torch.where(emptied, raw_token[rows], tokens[rows])
+        raw_at_token[rows] = torch.where(emptied, raw_max[rows], raw_at_token[rows])
+        final_at_token[rows] = torch.where(emptied, NEG_INF, final_at_token[rows])
         zs = saturate_posinf(zs, row_max == POS_INF)
         row_max = torch.where(row_max == POS_INF, torch.zeros_like(row_max), row_max)
         row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # bad rows
@@ -248,10 +265,12 @@ class SplitStep:
         self.global_ids = layout.global_ids(self.device)
         self.padding = self.global_ids >= self.vocab_size
 
-    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None) -> SamplerOutput:
+    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
+            token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Sample this rank's slice `logits` [B, width] for the slots of `plan`; rows where the bool
-        [B] `record` is False are sampled but neither counted nor advanced."""
+        [B] `record` is False are sampled but neither counted nor advanced. `token_bitmask`: the
+        call's whole int32 [B, W] mask (this rank reads the bits of its columns), or None."""
         index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
-        out = run_split_step(self, logits, index, plan, plan.rows)
+        out = run_split_step(self, logits, index, plan, plan.rows, token_bitmask)
         self.state.record_tokens(index, out.token_ids, record)
         return out

@@ -23,12 +23,14 @@ PTX_PATTERNS = {"div_rn_f32": r"div\.rn\.f32", "div_inexact_f32": r"div\.(full|a
 PREPARE_TYPES = dict(logits_ptr="*bf16", logits_stride="i32", slot_ptr="*i64", z_ptr="*fp32", fstat_ptr="*fp32",
                      istat_ptr="*i64", prompt_ptr="*i1", counts_ptr="*i32", bias_ptr="*fp32", allowed_ptr="*i1",
                      stop_ptr="*i1", output_len_ptr="*i64", min_tokens_ptr="*i64", repetition_ptr="*fp32",
-                     frequency_ptr="*fp32", presence_ptr="*fp32", vocab="i32", chunk="i32")
+                     frequency_ptr="*fp32", presence_ptr="*fp32", bitmask_ptr="*i32", bitmask_stride="i32",
+                     words_ptr="*i64", recent_ptr="*i64", num_words="i32", word_length="i32", vocab="i32",
+                     chunk="i32")
 SELECT_TYPES = dict(z_ptr="*fp32", slot_ptr="*i64", fstat_ptr="*fp32", istat_ptr="*i64", temperature_ptr="*fp32",
                     top_k_ptr="*i64", top_p_ptr="*fp64", min_p_ptr="*fp32", seed_ptr="*i64", position_ptr="*i64",
                     stream_ptr="*i64", counts_ptr="*i32", output_len_ptr="*i64", record_ptr="*i1", token_ptr="*i64",
                     valid_ptr="*i1", list_key_ptr="*i64", list_p_ptr="*fp32",
-                    info_f_ptr="*fp32", info_i_ptr="*i64", vocab="i32")
+                    info_f_ptr="*fp32", info_i_ptr="*i64", recent_ptr="*i64", depth="i32", vocab="i32")
 LOGPROBS_TYPES = dict(logits_ptr="*fp16", logits_stride="i32", z_ptr="*fp32", token_ptr="*i64", num_ptr="*i64",
                       info_f_ptr="*fp32", info_i_ptr="*i64", token_lp_ptr="*fp32", rank_ptr="*i64",
                       top_id_ptr="*i64", top_lp_ptr="*fp32", vocab="i32", top_stride="i32")
@@ -38,9 +40,11 @@ def variants():
     """(name, kernel, argument types, constexprs): every kernel with every optional step switched on."""
     from . import kernels as step
     yield ("prepare", step.prepare_kernel, PREPARE_TYPES,
-           dict(HAS_ALLOWED=True, HAS_STOP=True, HAS_BIAS=True, HAS_PENALTIES=True, BLOCK=1024, NSPLIT=4))
+           dict(HAS_ALLOWED=True, HAS_STOP=True, HAS_BIAS=True, HAS_PENALTIES=True, HAS_BITMASK=True,
+                HAS_BAD_WORDS=True, WPAD=8, LPAD=4, BLOCK=1024, NSPLIT=4))
     yield ("select", step.select_kernel, SELECT_TYPES,
-           dict(HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_RECORD=True, BLOCK=512, NSPLIT=4, NPIV=16,
+           dict(HAS_MIN_P=True, HAS_TOP_K=True, HAS_TOP_P=True, HAS_RECORD=True, HAS_RECENT=True, DPAD=4,
+                BLOCK=512, NSPLIT=4, NPIV=16,
                 CAP=4096, LBLOCK=512))
     yield ("logprobs", step.logprobs_kernel, LOGPROBS_TYPES,
            dict(PROCESSED=True, AS_LOGPROBS=True, HAS_MIN_P=True, WIDTH=20, WPAD=32, BLOCK=1024))

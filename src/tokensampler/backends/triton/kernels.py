@@ -1,12 +1,15 @@
 """The sampling step of docs/semantics.md as three Triton kernels, sort-free.
 
-1. `prepare_kernel`, grid (B, splits): float32 logits, padding/NaN removal, allowed ids, stop ids
-   below min_tokens, logit bias and the penalties, written once to a scratch row `z`; per split the
+1. `prepare_kernel`, grid (B, splits): float32 logits, padding/NaN removal, allowed ids, the call's
+   token bitmask (one int32 word per 32 ids), bad words (each row's words matched against its
+   slot's latest output tokens, the banned ids compared per block), stop ids below min_tokens,
+   logit bias and the penalties, written once to a scratch row `z`; per split the
    max and first argmax of the raw logits and of `z` (greedy and invalid rows need nothing else).
 2. `select_kernel`, grid (B,): per row, the +inf rule, temperature, min-p, then the top-k and top-p
    thresholds by a multi-pivot bisection over the float32 order keys (`thresholds.py`: counts in
    int64, masses in float64 over the kept ids: the reference's sets exactly), the Gumbel argmax with the noise of
-   `rng.py` computed in the kernel, and the history update (count, position, output length).
+   `rng.py` computed in the kernel, and the history update (count, position, output length, and
+   the latest output tokens the bad words read).
 3. `logprobs_kernel`, grid (B,), only when a row asks: log-sum-exp, the token's value and rank,
    and the top-N (N <= 20) by value then lower id, on the raw or the processed scores.
 
@@ -53,11 +56,30 @@ def combine_argmax(values, ids):
 
 # ---------------------------------------------------------------------------------------- kernels
 @triton.jit
+def banned_ids(words_ptr, recent_ptr, slot, num_words, length, WPAD: tl.constexpr, LPAD: tl.constexpr):
+    """The ids the slot's bad words ban this step, int64 [WPAD] (-1 = none): a word (right-aligned
+    in `length` columns, -1 = no constraint) bans its last token when every other token equals the
+    slot's latest output token in the same column (`recent`, `length - 1` columns, -2 = none)."""
+    w = tl.arange(0, WPAD)
+    j = tl.arange(0, LPAD)
+    depth = length - 1
+    word_row = words_ptr + slot * num_words * length + w * length
+    used = w < num_words
+    prefix = tl.load(word_row[:, None] + j[None, :], mask=used[:, None] & (j < depth)[None, :], other=-1)
+    recent = tl.load(recent_ptr + slot * depth + j, mask=j < depth, other=-2)
+    matched = tl.min(((prefix == -1) | (prefix == recent[None, :])).to(tl.int32), axis=1) != 0
+    last = tl.load(word_row + depth, mask=used, other=-1)
+    return tl.where(matched, last, -1)
+
+
+@triton.jit
 def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_ptr,
                    prompt_ptr, counts_ptr, bias_ptr, allowed_ptr, stop_ptr, output_len_ptr, min_tokens_ptr,
-                   repetition_ptr, frequency_ptr, presence_ptr, vocab, chunk,
+                   repetition_ptr, frequency_ptr, presence_ptr, bitmask_ptr, bitmask_stride,
+                   words_ptr, recent_ptr, num_words, word_length, vocab, chunk,
                    HAS_ALLOWED: tl.constexpr, HAS_STOP: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   HAS_PENALTIES: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
+                   HAS_PENALTIES: tl.constexpr, HAS_BITMASK: tl.constexpr, HAS_BAD_WORDS: tl.constexpr,
+                   WPAD: tl.constexpr, LPAD: tl.constexpr, BLOCK: tl.constexpr, NSPLIT: tl.constexpr):
     """Steps 1, 3, 4, 5 for ids [split*chunk, (split+1)*chunk) of row b; writes z and the split's
     (raw max, z max) and their first argmax."""
     row = tl.program_id(0)
@@ -68,6 +90,10 @@ def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_
     z_row = z_ptr + row.to(tl.int64) * vocab
     begin = split * chunk
     end = tl.minimum(begin + chunk, vocab)
+    if HAS_BITMASK:
+        bitmask_row = bitmask_ptr + row.to(tl.int64) * bitmask_stride
+    if HAS_BAD_WORDS:
+        banned = banned_ids(words_ptr, recent_ptr, slot, num_words, word_length, WPAD, LPAD)
     if HAS_STOP:
         below_min_tokens = tl.load(output_len_ptr + slot) < tl.load(min_tokens_ptr + slot)
     if HAS_PENALTIES:
@@ -86,6 +112,12 @@ def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_
         z = x
         if HAS_ALLOWED:
             z = tl.where(tl.load(allowed_ptr + state_row + ids, mask=in_range, other=0) != 0, z, NEG_INF)
+        if HAS_BITMASK:  # bit (id % 32) of word (id // 32); the arithmetic shift is harmless with the & 1
+            word = tl.load(bitmask_row + (ids >> 5), mask=in_range, other=0)
+            z = tl.where(((word >> (ids & 31)) & 1) != 0, z, NEG_INF)
+        if HAS_BAD_WORDS:
+            hit = tl.max((ids.to(tl.int64)[:, None] == banned[None, :]).to(tl.int32), axis=1) != 0
+            z = tl.where(hit, NEG_INF, z)
         if HAS_STOP:
             stop = tl.load(stop_ptr + state_row + ids, mask=in_range, other=0) != 0
             z = tl.where(stop & below_min_tokens, NEG_INF, z)
@@ -118,8 +150,9 @@ def prepare_kernel(logits_ptr, logits_stride, slot_ptr, z_ptr, fstat_ptr, istat_
 def select_kernel(z_ptr, slot_ptr, fstat_ptr, istat_ptr,
                   temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, position_ptr, stream_ptr,
                   counts_ptr, output_len_ptr, record_ptr, token_ptr, valid_ptr, info_f_ptr, info_i_ptr,
-                  list_key_ptr, list_p_ptr, vocab,
+                  list_key_ptr, list_p_ptr, recent_ptr, depth, vocab,
                   HAS_MIN_P: tl.constexpr, HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_RECORD: tl.constexpr,
+                  HAS_RECENT: tl.constexpr, DPAD: tl.constexpr,
                   BLOCK: tl.constexpr, NSPLIT: tl.constexpr, NPIV: tl.constexpr, CAP: tl.constexpr,
                   LBLOCK: tl.constexpr):
     """Steps 6-11 and 13 for row b: the token, its validity, the row facts the logprobs need."""
@@ -202,6 +235,16 @@ def select_kernel(z_ptr, slot_ptr, fstat_ptr, istat_ptr,
     tl.store(count_at, tl.load(count_at) + step)
     tl.store(position_ptr + slot, tl.load(position_ptr + slot) + step)
     tl.store(output_len_ptr + slot, tl.load(output_len_ptr + slot) + step)
+    if HAS_RECENT:  # the latest output tokens shift by one, the token enters last (if recorded)
+        j = tl.arange(0, DPAD)
+        recent_row = recent_ptr + slot * depth
+        old = tl.load(recent_row + j, mask=j < depth, other=-2)
+        after = tl.load(recent_row + j + 1, mask=j < depth - 1, other=-2)
+        shifted = tl.where(j == depth - 1, token, after)
+        if HAS_RECORD:
+            shifted = tl.where(step != 0, shifted, old)
+        tl.debug_barrier()  # every lane has read before any lane writes
+        tl.store(recent_row + j, shifted, mask=j < depth)
 
 
 @triton.jit
@@ -284,9 +327,11 @@ def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f
                     combined = tl.where(combined == best_left, INT64_MIN, combined)
                     worst = tl.min(running)
                     best_left = tl.max(combined)
-        lse = tl.where(m == NEG_INF, NEG_INF, m + tl.log(tl.sum(lane_sum)))
+        # (s - shift) - log(total), as log_softmax: s - (shift + log(total)) loses log(total) to the
+        # float32 rounding of a large shift
+        log_total = tl.log(tl.sum(lane_sum))
         if AS_LOGPROBS:
-            token_value = tl.where(m == NEG_INF, token_score, token_score - lse)
+            token_value = tl.where(m == NEG_INF, token_score, (token_score - shift) - log_total)
         else:
             token_value = token_score
         rank = tl.sum(lane_rank)
@@ -299,7 +344,7 @@ def logprobs_kernel(logits_ptr, logits_stride, z_ptr, token_ptr, num_ptr, info_f
             ordered = tl.max(tl.where(place[:, None] == slots[None, :], r_i, INT64_MIN), axis=0)
             scores = key_to_value(ordered >> 32)
             if AS_LOGPROBS:
-                scores = tl.where(m == NEG_INF, scores, scores - lse)
+                scores = tl.where(m == NEG_INF, scores, (scores - shift) - log_total)
             chosen = (slots < num) & (ordered != INT64_MIN)
             top_ids = tl.where(chosen, 0xFFFFFFFF - (ordered & 0xFFFFFFFF), -1)
             top_values = tl.where(chosen, scores, NEG_INF)

@@ -85,10 +85,12 @@ class KernelStep:
         return splits, chunk
 
     # ------------------------------------------------------------------ the step
-    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None) -> SamplerOutput:
+    def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
+            token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Steps 1-13 for the rows of `logits` and the slots of `plan` (distinct, occupied, checked
         by the Sampler); rows where the bool [B] `record` is False are sampled but their history is
-        left as it was (the kernel adds 0 there: the same launches either way)."""
+        left as it was (the kernel adds 0 there: the same launches either way). `token_bitmask`:
+        int32 [B, W] (xgrammar's layout), read by the prepare kernel one word per 32 ids."""
         slots = list(plan.slots)
         batch = logits.shape[0]
         self._reserve(max(batch, 1))
@@ -111,20 +113,31 @@ class KernelStep:
         splits, chunk = self._splits(batch)
         has_stop = plan.min_tokens and st.stop_mask is not None
         dummy = self.z
+        if token_bitmask is not None and token_bitmask.stride(1) != 1:
+            token_bitmask = token_bitmask.contiguous()
+        has_words = bool(plan.bad_words) and st.bad_words is not None
+        num_words, word_length = st.bad_words.shape[1:] if st.bad_words is not None else (1, 1)
+        recent = st.recent_tokens if st.recent_tokens is not None else self.index
         prepare_kernel[(batch, splits)](
             logits, logits.stride(0), self.index, self.z, self.fstat, self.istat,
             st.prompt_mask, st.output_counts,
             st.logit_bias if plan.logit_bias else dummy, st.allowed_mask if plan.allowed_ids else dummy,
             st.stop_mask if has_stop else dummy, st.output_len, st.min_tokens,
-            st.repetition, st.frequency, st.presence, vocab, chunk,
+            st.repetition, st.frequency, st.presence,
+            token_bitmask if token_bitmask is not None else self.valid,
+            token_bitmask.stride(0) if token_bitmask is not None else 0,
+            st.bad_words if has_words else self.index, recent, num_words, word_length, vocab, chunk,
             HAS_ALLOWED=plan.allowed_ids, HAS_STOP=bool(has_stop), HAS_BIAS=plan.logit_bias,
-            HAS_PENALTIES=plan.penalties, BLOCK=cfg.prepare_block, NSPLIT=splits, **launch)
+            HAS_PENALTIES=plan.penalties, HAS_BITMASK=token_bitmask is not None, HAS_BAD_WORDS=has_words,
+            WPAD=max(2, _pow2_ceil(num_words)), LPAD=max(2, _pow2_ceil(word_length)),
+            BLOCK=cfg.prepare_block, NSPLIT=splits, **launch)
         select_kernel[(batch,)](
             self.z, self.index, self.fstat, self.istat, st.temperature, st.top_k, st.top_p, st.min_p,
             st.seed, st.position, st.stream, st.output_counts, st.output_len,
             record if record is not None else self.valid, self.tokens, self.valid, self.info_f, self.info_i,
-            self.window_keys, self.window_p, vocab,
+            self.window_keys, self.window_p, recent, st.history_depth, vocab,
             HAS_MIN_P=plan.min_p, HAS_TOP_K=plan.top_k, HAS_TOP_P=plan.top_p, HAS_RECORD=record is not None,
+            HAS_RECENT=st.history_depth > 0, DPAD=max(2, _pow2_ceil(st.history_depth)),
             BLOCK=cfg.select_block, NSPLIT=splits, NPIV=cfg.pivots, CAP=cfg.window_cap, LBLOCK=cfg.window_block,
             **launch)
         if plan.wants_logprobs:

@@ -1,13 +1,15 @@
 """The hooks the vLLM plugin installs (once per process, idempotent).
 
 - `GPUModelRunner.__init__` (the CPU runner inherits it): after vLLM builds the runner, its `sampler`
-  is replaced by a `TokenSamplerSampler` bound to the runner.
+  is replaced by a `TokenSamplerSampler` bound to the runner, which warms up at once (the state of
+  the persistent batch is made, and with it `Sampler.warmup` runs), so no request waits on a compile.
 - `InputBatch.add_request`: the row's `torch.Generator` is dropped from the persistent batch. vLLM's
   per-request generators are not used (tokensampler's noise is a pure function of seed, position and
   token), and vLLM rewinds them for discarded prefill chunks with `set_offset`, which a CPU
   generator does not support.
-- Speculative decoding is refused at runner construction with one error naming the reason (the
-  acceptance step would not be tokensampler's).
+- With speculative decoding, the runner's `rejection_sampler` becomes a `TokenSamplerRejectionSampler`
+  around the same sampler: drafts are verified by tokensampler (match mode without draft
+  probabilities, so speculation changes nothing but speed).
 - On a GPU, vLLM 0.32 picks its Model Runner V2 when Triton is importable; the plugin asks for the
   V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0` unless set) and refuses a V2 runner.
 """
@@ -33,19 +35,19 @@ def install() -> None:
     import vllm.v1.worker.gpu_model_runner as runner_module
 
     from .sampler import TokenSamplerSampler
+    from .speculative import TokenSamplerRejectionSampler
 
     runner_init = runner_module.GPUModelRunner.__init__
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         runner_init(self, *args, **kwargs)
-        if self.speculative_config is not None:
-            raise InvalidEnvironment("speculative_config", self.speculative_config.method,
-                                     "no speculative decoding with the tokensampler plugin yet: its draft "
-                                     "acceptance would not sample with tokensampler")
         sampler = TokenSamplerSampler(logprobs_mode=self.model_config.logprobs_mode,
                                       use_fp64_gumbel=getattr(self.model_config, "use_fp64_gumbel", False))
         sampler.bind(self)
         self.sampler = sampler
+        sampler.warmup()
+        if self.speculative_config is not None:
+            self.rejection_sampler = TokenSamplerRejectionSampler(sampler, self.speculative_config, self.device)
 
     add_request = input_batch.InputBatch.add_request
 

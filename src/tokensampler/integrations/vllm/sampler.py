@@ -50,9 +50,20 @@ class TokenSamplerSampler(VllmSampler):
         """Attach to the model runner whose persistent batch this sampler follows."""
         self._runner = weakref.ref(runner)
 
+    def runner(self) -> Any:
+        """The bound model runner (None before `bind`, or once the runner is gone)."""
+        return None if self._runner is None else self._runner()
+
+    def warmup(self) -> None:
+        """Make the state of the runner's persistent batch now (its `SamplingGenerator` runs
+        `Sampler.warmup`): a runner without a batch yet makes it on the first step."""
+        runner = self.runner()
+        if runner is not None and getattr(runner, "input_batch", None) is not None:
+            self.state()
+
     def state(self) -> BatchState:
         """The state of the runner's current persistent batch (made when the runner makes a new one)."""
-        runner = self._runner()
+        runner = self.runner()
         batch = runner.input_batch
         state = self._states.get(id(batch))
         if state is None:
@@ -66,7 +77,7 @@ class TokenSamplerSampler(VllmSampler):
 
     def forward(self, logits: torch.Tensor, sampling_metadata: Any, predict_bonus_token: bool = False,
                 logprobs_mode_override: str | None = None) -> SamplerOutput:
-        runner = None if self._runner is None else self._runner()
+        runner = self.runner()
         batch = None if runner is None else runner.input_batch
         if batch is None or batch.num_reqs != logits.shape[0] or predict_bonus_token or logprobs_mode_override:
             return super().forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)

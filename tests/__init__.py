@@ -1,0 +1,1 @@
+"""The test suite (a package, so its folders never shadow installed packages such as triton)."""

@@ -1,0 +1,149 @@
+"""backends/native/warmup.py and compile.py: after `Sampler.warmup`, no step compiles anything.
+
+With torch.compile on and a fresh inductor cache directory: warm-up prepares the compiled
+functions; then batches of sizes 1, 3, 7, 13, 21, 29 and max_slots with mixed parameters (peaked
+and flat rows, float32 and bfloat16 logits, a padded vocabulary) leave dynamo's counters and the
+count of prepared functions unchanged, run every compiled function without an eager fallback, and
+give the reference's tokens. A second process with the same cache directory loads every function
+and compiles none, and the library sets no environment variable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.support.runs import run_reference
+from tokensampler import Sampler, SamplingParams
+from tokensampler.backends.native import compile as ts_compile
+from tokensampler.backends.native import warmup
+from tokensampler.tools.workloads import make_logits
+
+VOCAB, PADDED, SLOTS = 40000, 40064, 32
+BATCHES = (1, 3, 7, 13, 21, 29, SLOTS)
+
+
+def _mixed(r: random.Random, slot: int) -> SamplingParams:
+    kinds = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_p=0.9),
+             dict(temperature=0.7, top_k=40, top_p=0.95), dict(temperature=1.0, min_p=0.05),
+             dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.2),
+             dict(temperature=0.8, top_p=0.95, logprobs=5), dict(temperature=1.0, top_p=0.99999),
+             dict(temperature=0.9, logit_bias={7: 2.0}), dict(temperature=1.0, logprobs=1)]
+    return SamplingParams(seed=slot, **r.choice(kinds))
+
+
+def _fallbacks() -> int:
+    return sum(f["fallbacks"] for f in ts_compile.report()["functions"].values())
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """A fresh inductor cache directory for this module's compiled functions."""
+    return str(tmp_path_factory.mktemp("inductor"))
+
+
+@pytest.fixture
+def compiled(monkeypatch, warm_cache):
+    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", warm_cache)
+    return warm_cache
+
+
+def test_after_warmup_no_batch_size_or_mix_compiles(compiled):
+    from torch._dynamo.utils import counters
+    sampler = Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED, max_logprobs=20)
+    report = sampler.warmup()
+    assert report["prepared"] > 0  # the fixture's cache starts empty (or holds this module's)
+    graphs, prepared, fallbacks = dict(counters["stats"]), ts_compile.prepared(), _fallbacks()
+    r = random.Random(0)
+    for batch in BATCHES:
+        params = [_mixed(r, slot) for slot in range(batch)]
+        histories = [[r.randrange(VOCAB) for _ in range(12)] for _ in range(batch)]
+        for slot in range(batch):
+            sampler.add_request(slot, params[slot], histories[slot])
+        for flat, dtype in ((False, torch.float32), (True, torch.float32), (False, torch.bfloat16)):
+            logits = make_logits(batch, PADDED, flat=flat, seed=batch).to(dtype)
+            got = sampler.sample(logits)
+            if dtype == torch.float32 and batch <= 7:  # the same tokens as the definition
+                want = run_reference(logits, params, prompts=histories, outputs=[[] for _ in params],
+                                     vocab_size=VOCAB, positions=[12] * batch)
+                assert torch.equal(got.token_ids, want.token_ids)
+            for slot in range(batch):  # the same state again for the next layout
+                sampler.add_request(slot, params[slot], histories[slot])
+    assert dict(counters["stats"]) == graphs, "dynamo traced something after warm-up"
+    assert ts_compile.prepared() == prepared, ts_compile.layouts()
+    assert _fallbacks() == fallbacks, ts_compile.report()["functions"]
+
+
+def test_inference_mode_serves_without_fallback(compiled):
+    """An engine that samples under torch.inference_mode (vLLM does) passes inference tensors: they
+    run the loaded artefacts (no eager fallback, nothing compiled) and give the same tokens."""
+    sampler = Sampler(VOCAB, max_slots=8, padded_vocab_size=PADDED, max_logprobs=20)
+    sampler.warmup()
+    r = random.Random(1)
+    params = [_mixed(r, slot) for slot in range(8)]
+    logits = make_logits(8, PADDED, seed=3)
+    want = []
+    for mode in (False, True):
+        for slot in range(8):
+            sampler.add_request(slot, params[slot], [slot, 5, 9])
+        prepared, fallbacks = ts_compile.prepared(), _fallbacks()
+        with torch.inference_mode(mode):
+            got = sampler.sample(logits.clone())
+        assert ts_compile.prepared() == prepared and _fallbacks() == fallbacks, ts_compile.report()["functions"]
+        want.append(got.token_ids)
+    assert torch.equal(want[0], want[1])
+
+
+def test_a_second_process_loads_what_warmup_compiled(compiled, tmp_path, monkeypatch):
+    """Also when this process made its artefacts under another cache directory (the first test's):
+    the warm-up's record must then be complete in the current one; and when this process compiled a
+    function of its own (the next process loads the step's functions and skips that one)."""
+    compiled = str(tmp_path / "moved")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled)
+    # and a function this process registered at run time (as a test does), which the next process lacks
+    ts_compile.maybe_compiled("only_in_this_process", lambda t: t + 1)(torch.ones(2, 3))
+    Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED).warmup()  # (compiled above, or now)
+    code = ("import json, os; from tokensampler import Sampler; "
+            "from tokensampler.backends.native import compile as c; "
+            f"r = Sampler({VOCAB}, max_slots={SLOTS}, padded_vocab_size={PADDED}).warmup(); "
+            "print(json.dumps({'warmup': r, 'functions': c.report()['functions'], "
+            "'env': 'TORCHINDUCTOR_CACHE_DIR' in os.environ}))")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": compiled, "TOKENSAMPLER_COMPILE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    functions = result["functions"]
+    assert result["warmup"]["steps"] == 0  # the manifest: only loads
+    assert sum(f["compiled"] for f in functions.values()) == 0, functions
+    assert sum(f["loaded"] for f in functions.values()) == result["warmup"]["prepared"] > 0
+
+
+def test_the_library_sets_no_environment_variable(compiled, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    before = dict(os.environ)
+    ts_compile.cache_dir()
+    warmup.warm(300, 300, "raw_logprobs")  # a tiny scratch sampler: every route, default cache dir
+    assert dict(os.environ) == before
+
+
+def test_compiled_functions_serve_every_row_count_without_guards_failing(compiled):
+    """One artefact per layout: row counts 0, 1, 2 and 64, padded rows and views of larger tensors
+    (passed as plain aliases: no guard reads a view's base) run the compiled code (no eager
+    fallback), with the eager function's results."""
+    from tokensampler.backends.native import row_stats
+    count = ts_compile.maybe_compiled("winnable_count", row_stats._count)
+    before = _fallbacks()
+    for rows in (0, 1, 2, 64):
+        views = [torch.randn(rows, 3000), torch.randn(rows, 3024)[:, :3000],  # whole rows, a padded caller
+                 torch.randn(rows + 3, 3010)[3:, 5:3005],  # rows and columns of a larger tensor
+                 torch.randn(2 * rows, 3000)[::2], torch.randn(3000, rows).t()[:, :]]  # strided rows
+        for z in views:
+            floor = torch.zeros(rows)
+            assert torch.equal(count(z, floor), row_stats._count(z, floor))
+    assert _fallbacks() == before

@@ -1,0 +1,158 @@
+"""The adversarial campaign (benchmarks/adversarial.py), bounded: about 10^6 draws through every path
+against reference.py, with zero invalid ids, mismatches and unexpected exceptions; and the bugs it
+found, each as a regression test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
+from tokensampler.parallel import Exchange
+from tokensampler.reference import ReferenceRequest, reference_sample
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "adversarial.py"
+# most draws on the torch step (tiny vocabularies, batches up to 16384 rows), a few thousand through
+# `sample` and the split, a hundred rows through the Triton kernels in the interpreter (~0.1 s a row)
+CI_BUDGET = {"torch": 982_000, "sample": 12_000, "split2": 3_000, "split3": 3_000, "kernels": 120}
+CI_SEED = 20261130
+
+
+def _campaign_module() -> ModuleType:
+    name = "tokensampler_adversarial_campaign"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPT)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_bounded_campaign_finds_nothing():
+    campaign = _campaign_module()
+    report = campaign.run_campaign(CI_BUDGET, CI_SEED)
+    total = report["total"]
+    lines = [campaign.Finding(**f).line(CI_SEED) for f in report["findings"][:10]]
+    message = campaign.table(report) + "\n" + "\n".join(lines)
+    assert total["draws"] >= 1_000_000, message
+    for path, budget in CI_BUDGET.items():
+        assert report["paths"][path]["draws"] >= budget, message
+    for counter in ("invalid_ids", "mismatches", "other_exceptions", "rejected_valid", "accepted_invalid",
+                    "oracle_disagreements", "reference_invalid_ids"):
+        assert total[counter] == 0, f"{counter}\n{message}"
+    assert report["failures"] == 0, message
+    assert total["library_errors"] > 0 and total["reference_rows"] > 1000, message  # invalid input was tried
+
+
+def test_a_case_is_a_function_of_seed_path_and_index():
+    campaign = _campaign_module()
+    one, two = campaign.make_case(3, "torch", 5), campaign.make_case(3, "torch", 5)
+    assert [r.kwargs for r in one.rows] == [r.kwargs for r in two.rows] and one.slots == two.slots
+    assert torch.equal(one.step(0).logits.view(torch.int32 if one.dtype == torch.float32 else torch.int16),
+                       two.step(0).logits.view(torch.int32 if two.dtype == torch.float32 else torch.int16))
+
+
+# ------------------------------------------------------------------ regressions of what the campaign found
+@pytest.mark.parametrize("name,value", [
+    ("temperature", 5e-324), ("temperature", 1e-46), ("temperature", 3.4028235e38), ("temperature", 1e300),
+    ("repetition_penalty", 5e-324), ("repetition_penalty", 1e-46), ("repetition_penalty", 3.5e38),
+])
+def test_float32_unusable_temperature_and_repetition_penalty_are_rejected(name, value):
+    """float32(value) of 0 or inf made NaN of 0/0, -inf/inf, -inf*0 (reference.py then returned
+    removed ids); values above float32's largest raised RuntimeError at admission."""
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(**{name: value})
+    assert info.value.field == name
+
+
+@pytest.mark.parametrize("name,value", [("temperature", 1.401298464324817e-45), ("temperature", 3.4028234663852886e38),
+                                        ("repetition_penalty", 1.401298464324817e-45),
+                                        ("repetition_penalty", 3.4028234663852886e38), ("temperature", -0.0)])
+def test_float32_extremes_are_accepted_and_sampled_as_the_reference(name, value):
+    logits = torch.tensor([[0.0, 1.0, -1.0, 0.5, -3e38, 3e38]])
+    params = SamplingParams(**{name: value, "seed": 4, "allowed_token_ids": [0, 1, 3, 4, 5], "logprobs": -1})
+    got = sample(logits, params, prompt_token_ids=[[0, 2, 4]], positions=[0], logprobs_mode="processed_logits")
+    want = reference_sample(logits, [ReferenceRequest(params, 4, 0, [0, 2, 4])], logprobs_mode="processed_logits")
+    assert got.token_ids.tolist() == want.token_ids.tolist() and got.valid.tolist() == want.valid.tolist()
+    assert torch.equal(got.logprobs.top_token_ids, want.logprobs.top_token_ids)
+
+
+@pytest.mark.parametrize("top_k,min_tokens", [(2**63, 0), (10**30, 0), (0, 2**63), (5, 10**30)])
+def test_top_k_and_min_tokens_beyond_int64(top_k, min_tokens):
+    """They raised "Overflow when unpacking long long" at admission (and reference.py "int too big")."""
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.0]])
+    params = SamplingParams(top_k=top_k, min_tokens=min_tokens, stop_token_ids=[1], seed=9)
+    got = sample(logits, params, positions=[3])
+    want = reference_sample(logits, [ReferenceRequest(params, 9, 3)])
+    assert got.token_ids.tolist() == want.token_ids.tolist()
+    if min_tokens:
+        assert got.token_ids.tolist() != [1]  # the stop id stays removed
+
+
+class _Hub:
+    def __init__(self, world: int) -> None:
+        self.parts: list = [None] * world
+        self.barrier = threading.Barrier(world, timeout=60)
+
+
+class _ThreadExchange(Exchange):
+    def __init__(self, hub: _Hub, rank: int, world: int) -> None:
+        super().__init__()
+        self.hub, self.rank, self.world_size = hub, rank, world
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.hub.parts[self.rank] = tensor.clone()
+        self.hub.barrier.wait()
+        out = torch.stack(self.hub.parts)
+        self.hub.barrier.wait()
+        return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_row_emptied_by_the_temperature_is_invalid(world):
+    """Every kept z / T underflowing to -inf leaves no id: the split returned id 0 (here not an
+    allowed id) with valid=True; the definition gives the raw greedy id with valid=False."""
+    vocab, padded = 4, 6 if world == 3 else 4
+    params = [SamplingParams(temperature=0.5, seed=1, allowed_token_ids=[2, 3]), SamplingParams(seed=2, logprobs=2)]
+    logits = torch.tensor([[5.0, 1.0, -3e38, -3e38, 0.0, 0.0], [1.0, 3.0, -2.0, 0.0, 0.0, 0.0]])[:, :padded]
+    want = reference_sample(logits, [ReferenceRequest(p, p.seed, 0) for p in params], vocab_size=vocab)
+    hub, outs, width = _Hub(world), [None] * world, padded // world
+
+    def rank(r: int) -> None:
+        sampler = Sampler(vocab, max_slots=2, padded_vocab_size=padded, group=_ThreadExchange(hub, r, world))
+        for slot, p in enumerate(params):
+            sampler.add_request(slot, p, [])
+        outs[r] = sampler.sample(logits[:, r * width:(r + 1) * width])
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for out in outs:
+        assert out.token_ids.tolist() == want.token_ids.tolist() == [0, 1]
+        assert out.valid.tolist() == want.valid.tolist() == [False, True]
+        assert torch.equal(out.logprobs.token_ranks, want.logprobs.token_ranks)
+
+
+def test_kernel_logprobs_keep_their_precision_far_from_zero(monkeypatch):
+    """The kernels computed s - (max + log total) in float32: at |z| ~ 1e5 the value lost log total
+    to rounding (-3.21875 for -log 25 = -3.2188759)."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TOKENSAMPLER_BACKEND", "triton")
+    logits = torch.tensor([[93622.86] * 25 + [0.0]])
+    for mode in ("raw_logprobs", "processed_logprobs"):
+        params = SamplingParams(seed=3, logprobs=2)
+        sampler = Sampler(26, max_slots=1, logprobs_mode=mode)
+        sampler.add_request(0, params, [])
+        got = sampler.sample(logits).logprobs
+        want = reference_sample(logits, [ReferenceRequest(params, 3, 0)], logprobs_mode=mode).logprobs
+        assert torch.allclose(got.top_logprobs, want.top_logprobs, atol=1e-6, rtol=1e-6), (mode, got, want)
+        assert torch.allclose(got.token_logprobs, want.token_logprobs, atol=1e-6, rtol=1e-6)
