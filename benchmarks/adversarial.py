@@ -53,7 +53,7 @@ from tokensampler.backends.triton.config import BACKEND_ENV, KernelConfig
 from tokensampler.core import rng
 from tokensampler.core.order import saturate_posinf
 from tokensampler.core.output import LogprobsOutput
-from tokensampler.parallel import Exchange
+from tokensampler.parallel import ThreadExchange, ThreadHub
 from tokensampler.reference import ReferenceRequest, bad_word_ids, bitmask_allowed_ids, reference_sample_row
 
 PATHS = ("sample", "torch", "kernels", "split2", "split3")
@@ -989,28 +989,6 @@ def backend_env(value: str | None) -> Iterator[None]:
             os.environ.pop(BACKEND_ENV, None)
         else:
             os.environ[BACKEND_ENV] = before
-
-
-class ThreadHub:
-    def __init__(self, world: int) -> None:
-        self.world = world
-        self.parts: list[Any] = [None] * world
-        self.barrier = threading.Barrier(world, timeout=120)
-
-
-class ThreadExchange(Exchange):
-    """All-gather between the threads of one process (a rank per thread)."""
-
-    def __init__(self, hub: ThreadHub, rank: int) -> None:
-        super().__init__()
-        self.hub, self.rank, self.world_size = hub, rank, hub.world
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.hub.parts[self.rank] = tensor.clone()
-        self.hub.barrier.wait()
-        out = torch.stack(self.hub.parts)
-        self.hub.barrier.wait()
-        return out
 
 
 class RanksDisagree(Exception):

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
-from tokensampler.parallel import Exchange
+from tokensampler.backends.native.config import NativeConfig
+from tokensampler.parallel import ThreadExchange, ThreadHub
 from tokensampler.reference import ReferenceRequest, reference_sample
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "adversarial.py"
@@ -96,23 +97,21 @@ def test_top_k_and_min_tokens_beyond_int64(top_k, min_tokens):
         assert got.token_ids.tolist() != [1]  # the stop id stays removed
 
 
-class _Hub:
-    def __init__(self, world: int) -> None:
-        self.parts: list = [None] * world
-        self.barrier = threading.Barrier(world, timeout=60)
-
-
-class _ThreadExchange(Exchange):
-    def __init__(self, hub: _Hub, rank: int, world: int) -> None:
-        super().__init__()
-        self.hub, self.rank, self.world_size = hub, rank, world
-
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.hub.parts[self.rank] = tensor.clone()
-        self.hub.barrier.wait()
-        out = torch.stack(self.hub.parts)
-        self.hub.barrier.wait()
-        return out
+@pytest.mark.parametrize("kw", [{"min_p": 0.5}, {"top_k": 30}])
+def test_top_p_histogram_of_a_row_spanning_less_than_a_float32_step(monkeypatch, kw):
+    """A kept span below bins / 3.4e38 (here ~1.8e-37: z / T with a huge T) made the histogram's
+    scale inf and the value at its lower end 0 * inf = NaN, no bin: bincount raised RuntimeError."""
+    monkeypatch.setenv("TOKENSAMPLER_BACKEND", "torch")
+    a, b, ninf = 8.816208191686542e-38, 2.938735877055719e-39, float("-inf")
+    row = [0.0, -a, -a, 0.0, a, a, ninf, a, -a, 0.0, 0.0, a, 0.0, a, 0.0, -a, a, a, -a, 0.0, -a, -a, 0.0, 0.0, a, -a,
+           -8.228461016275398e-38, b, ninf, -a, a, b, a]
+    logits = torch.tensor([row])
+    params = SamplingParams(seed=5, top_p=0.5, **kw)
+    config = NativeConfig(direct_route=False, candidate_cap=2, dense_bracket_cap=1, dense_block=3, block_elements=7)
+    sampler = Sampler(len(row), max_slots=1, native_config=config)
+    sampler.add_request(0, params, [])
+    want = reference_sample(logits, [ReferenceRequest(params, 5, 0)])
+    assert sampler.sample(logits).token_ids.tolist() == want.token_ids.tolist()
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -123,10 +122,10 @@ def test_split_row_emptied_by_the_temperature_is_invalid(world):
     params = [SamplingParams(temperature=0.5, seed=1, allowed_token_ids=[2, 3]), SamplingParams(seed=2, logprobs=2)]
     logits = torch.tensor([[5.0, 1.0, -3e38, -3e38, 0.0, 0.0], [1.0, 3.0, -2.0, 0.0, 0.0, 0.0]])[:, :padded]
     want = reference_sample(logits, [ReferenceRequest(p, p.seed, 0) for p in params], vocab_size=vocab)
-    hub, outs, width = _Hub(world), [None] * world, padded // world
+    hub, outs, width = ThreadHub(world), [None] * world, padded // world
 
     def rank(r: int) -> None:
-        sampler = Sampler(vocab, max_slots=2, padded_vocab_size=padded, group=_ThreadExchange(hub, r, world))
+        sampler = Sampler(vocab, max_slots=2, padded_vocab_size=padded, group=ThreadExchange(hub, r))
         for slot, p in enumerate(params):
             sampler.add_request(slot, p, [])
         outs[r] = sampler.sample(logits[:, r * width:(r + 1) * width])

@@ -167,7 +167,9 @@ def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
     restricted = bool((tau > NEG_INF).any())
     low = torch.maximum(tau, z_max - 64.0)
     span = z_max - low
-    scale = torch.where(span > 0, bins / span, torch.zeros_like(span))
+    # bins / span overflows to inf below span ~ bins / 3.4e38 (e.g. z / T with a huge T): then the
+    # value at `low` would map to 0 * inf = NaN, no bin; a finite scale keeps the map monotone
+    scale = torch.where(span > 0, bins / span, torch.zeros_like(span)).clamp_(max=torch.finfo(span.dtype).max)
     offsets = (torch.arange(rows, device=z.device, dtype=torch.int32) * bins)[:, None]
     fix_nan = bool((scale == 0).any())
 
