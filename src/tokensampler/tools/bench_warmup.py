@@ -1,11 +1,13 @@
 """`tokensampler bench --warmup`: what `Sampler.warmup` costs and what it buys.
 
-Two child processes share one fresh compile cache (inductor's directory, given to the children
-only): the first warms up with the cache empty (cold: everything is compiled), the second with the
-cache the first left (warm: everything is loaded). The second then samples batch sizes 1..max_slots
-with mixed parameters, each size three times, and records the first call's time over the second's,
-whether dynamo's counters moved, and how many compiled functions were prepared after warm-up
-(must be 0). Each child's warm-up time includes importing the compiler on first use.
+Child processes share one fresh compile cache (inductor's directory, given to the children
+only): the first warms up with the cache empty (cold: everything is compiled), the next ones (three
+by default) with the cache the first left (warm: everything is loaded). Each warm one then samples
+batch sizes 1..max_slots with mixed parameters, each size three times, and records the first
+call's time over the second's, whether dynamo's counters moved, how many compiled functions were
+prepared after warm-up (must be 0) and how many loaded functions warm-up left uncalled (must be 0:
+a first call costs more). The reported ratio of a batch size is the median over the warm children.
+Each child's warm-up time includes importing the compiler on first use.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def measure(vocab: int, padded: int, max_slots: int, batches: Sequence[int], see
     report = sampler.warmup()
     warm_seconds = time.perf_counter() - start
     graphs, prepared = sum(counters["stats"].values()), ts_compile.prepared()
-    before = ts_compile.layouts()
+    before, uncalled = ts_compile.layouts(), ts_compile.uncalled()
     r = random.Random(seed)
     rows = []
     for batch in batches:
@@ -67,7 +69,8 @@ def measure(vocab: int, padded: int, max_slots: int, batches: Sequence[int], see
     return {"warmup_seconds": warm_seconds, "warmup": report, "batches": rows,
             "dynamo_counters_changed": sum(counters["stats"].values()) != graphs,
             "prepared_after_warmup": ts_compile.prepared() - prepared,
-            "layouts_after_warmup": sorted(set(ts_compile.layouts()) - set(before)), "compile": ts_compile.report()}
+            "layouts_after_warmup": sorted(set(ts_compile.layouts()) - set(before)),
+            "uncalled_after_warmup": uncalled, "compile": ts_compile.report()}
 
 
 def _child(cache: str, vocab: int, padded: int, max_slots: int, batches: Sequence[int]) -> dict:
@@ -84,27 +87,37 @@ def _child(cache: str, vocab: int, padded: int, max_slots: int, batches: Sequenc
 
 
 def run_warmup_bench(vocab: int = VOCAB, padded: int = PADDED, max_slots: int = MAX_SLOTS,
-                     quick: bool = False, log=sys.stderr) -> dict:
-    """Cold and warm-cache warm-up in two child processes; first/second call ratios in the second
-    (batch sizes 1..max_slots, or QUICK_BATCHES and max_slots with quick)."""
+                     quick: bool = False, repeats: int = 3, log=sys.stderr) -> dict:
+    """Cold warm-up in one child process, then `repeats` warm-cache children, each sampling batch
+    sizes 1..max_slots (or QUICK_BATCHES and max_slots with quick). A batch size's first/second
+    ratio is the median over the warm children (one call on a shared 2-core machine can take twice
+    its time for reasons of its own); the warm-up time is their median too."""
     batches = [*QUICK_BATCHES, max_slots] if quick else list(range(1, max_slots + 1))
     with tempfile.TemporaryDirectory(prefix="tokensampler-warmup-") as cache:
         print(f"warm-up, cold cache (V={vocab}) ...", file=log, flush=True)
         cold = _child(cache, vocab, padded, max_slots, [])
-        print(f"    {cold['warmup_seconds']:.1f} s; warm cache, then batch sizes {batches[0]}..{batches[-1]} ...",
-              file=log, flush=True)
-        warm = _child(cache, vocab, padded, max_slots, batches)
-    ratios = [b["first_over_second"] for b in warm["batches"]]
-    worst = max(warm["batches"], key=lambda b: b["first_over_second"])
-    return {"vocab": vocab, "padded_vocab": padded, "max_slots": max_slots, "batches": batches,
-            "cold_warmup_seconds": cold["warmup_seconds"], "warm_warmup_seconds": warm["warmup_seconds"],
+        print(f"    {cold['warmup_seconds']:.1f} s; {repeats} x (warm cache, then batch sizes "
+              f"{batches[0]}..{batches[-1]}) ...", file=log, flush=True)
+        warms = [_child(cache, vocab, padded, max_slots, batches) for _ in range(repeats)]
+    per_batch = [{"batch": batch, "first_over_second": statistics.median(w["batches"][i]["first_over_second"]
+                                                                         for w in warms),
+                  "runs": [w["batches"][i]["first_over_second"] for w in warms]}
+                 for i, batch in enumerate(batches)]
+    worst = max(per_batch, key=lambda b: b["first_over_second"])
+    return {"vocab": vocab, "padded_vocab": padded, "max_slots": max_slots, "batches": batches, "repeats": repeats,
+            "cold_warmup_seconds": cold["warmup_seconds"],
+            "warm_warmup_seconds": statistics.median(w["warmup_seconds"] for w in warms),
+            "warm_warmup_runs": [w["warmup_seconds"] for w in warms],
             "cold_compiled": sum(f["compiled"] for f in cold["compile"]["functions"].values()),
-            "warm_loaded": sum(f["loaded"] for f in warm["compile"]["functions"].values()),
-            "warm_compiled": sum(f["compiled"] for f in warm["compile"]["functions"].values()),
+            "warm_loaded": min(sum(f["loaded"] for f in w["compile"]["functions"].values()) for w in warms),
+            "warm_compiled": max(sum(f["compiled"] for f in w["compile"]["functions"].values()) for w in warms),
             "worst_first_over_second": worst["first_over_second"], "worst_batch": worst["batch"],
-            "median_first_over_second": statistics.median(ratios),
-            "prepared_after_warmup": warm["prepared_after_warmup"],
-            "dynamo_counters_changed": warm["dynamo_counters_changed"], "cold": cold, "warm": warm}
+            "worst_single_first_over_second": max(max(b["runs"]) for b in per_batch),
+            "median_first_over_second": statistics.median(b["first_over_second"] for b in per_batch),
+            "per_batch": per_batch,
+            "prepared_after_warmup": max(w["prepared_after_warmup"] for w in warms),
+            "uncalled_after_warmup": max(len(w["uncalled_after_warmup"]) for w in warms),
+            "dynamo_counters_changed": any(w["dynamo_counters_changed"] for w in warms), "cold": cold, "warm": warms}
 
 
 def write_json(result: dict, path: str) -> None:
@@ -122,11 +135,14 @@ def write_json(result: dict, path: str) -> None:
 
 def format_warmup_table(result: dict) -> str:
     rows = [("warm-up, cold cache (s)", f"{result['cold_warmup_seconds']:.1f}"),
-            ("warm-up, warm cache (s)", f"{result['warm_warmup_seconds']:.2f}"),
+            ("warm-up, warm cache (s, median)", f"{result['warm_warmup_seconds']:.2f}"),
             ("functions compiled cold / loaded warm", f"{result['cold_compiled']} / {result['warm_loaded']}"),
-            (f"worst first / second call, B = {result['batches'][0]}..{result['batches'][-1]}",
+            (f"worst first / second call, B = {result['batches'][0]}..{result['batches'][-1]} "
+             f"(median of {result['repeats']} processes)",
              f"{result['worst_first_over_second']:.2f} (B={result['worst_batch']})"),
+            ("worst single first / second call", f"{result['worst_single_first_over_second']:.2f}"),
             ("median first / second call", f"{result['median_first_over_second']:.2f}"),
+            ("loaded but not yet called after warm-up", f"{result['uncalled_after_warmup']}"),
             ("compiled after warm-up (functions, dynamo counters)",
              f"{result['prepared_after_warmup']}, {'changed' if result['dynamo_counters_changed'] else 'unchanged'}")]
     return "\n".join(["| measure | value |", "|---|---|", *(f"| {a} | {b} |" for a, b in rows)])

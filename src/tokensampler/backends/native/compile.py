@@ -161,6 +161,7 @@ class CompiledFunction:
         self.variants: dict[tuple, Callable] = {}
         self.files: dict[tuple, Path] = {}  # layout -> its artefact on disk (`save_manifest`)
         self.stats = {"loaded": 0, "compiled": 0, "fallbacks": 0, "seconds": 0.0}
+        self.called: set[tuple] = set()  # the layouts whose variant has run (a first call costs more)
 
     def __call__(self, *args: Any) -> Any:
         if torch.is_inference_mode_enabled():  # the artefacts are made and guarded outside it
@@ -178,6 +179,7 @@ class CompiledFunction:
                 if layout not in self.variants:
                     return self._prepare(layout, args, rows)
                 variant = self.variants[layout]
+        self.called.add(layout)
         try:
             return variant(*args)
         except RuntimeError as error:
@@ -206,7 +208,7 @@ class CompiledFunction:
             if variant is None:
                 return False
             self.files[layout] = self._path(layout)
-            self._keep(layout, variant, start)
+            self._keep(layout, variant, start, called=False)
             return True
 
     def _prepare(self, layout: tuple, args: tuple, rows: Sequence[int]) -> Any:
@@ -235,9 +237,11 @@ class CompiledFunction:
         self._keep(layout, variant, start)
         return result
 
-    def _keep(self, layout: tuple, variant: Callable, start: float) -> None:
+    def _keep(self, layout: tuple, variant: Callable, start: float, called: bool = True) -> None:
         self.stats["seconds"] += time.perf_counter() - start
         self.variants[layout] = variant
+        if called:
+            self.called.add(layout)
 
     def _load(self, path: Path) -> Callable | None:
         if not path.is_file():
@@ -363,6 +367,13 @@ def prepared() -> int:
     return sum(f.stats["loaded"] + f.stats["compiled"] for f in _FUNCTIONS.values())
 
 
+def uncalled() -> list[str]:
+    """"name layout" of every variant loaded but not run yet (its first call, a few ms more than
+    later ones, is still ahead)."""
+    return [f"{name} {layout!r}" for name, f in sorted(_FUNCTIONS.items()) for layout in f.variants
+            if layout not in f.called]
+
+
 def layouts() -> list[str]:
     """"name layout" of every variant this process holds (what a warm-up prepared, for reports)."""
     return [f"{name} {layout!r}" for name, f in sorted(_FUNCTIONS.items()) for layout in f.variants]
@@ -371,7 +382,8 @@ def layouts() -> list[str]:
 def report() -> dict:
     """What the bench records: whether compile was on, where its artefacts live, and per compiled
     function its variants, loads, compilations, eager fallbacks and seconds spent preparing."""
-    functions = {name: {"variants": len(f.variants), **f.stats, **({"refusals": f.refusals} if f.refusals else {})}
+    functions = {name: {"variants": len(f.variants), "uncalled": len(set(f.variants) - f.called), **f.stats,
+                        **({"refusals": f.refusals} if f.refusals else {})}
                  for name, f in _FUNCTIONS.items()}
     return {"enabled": enabled(), "cache_dir": cache_dir(), "ahead_of_time": _aot_available() if _FUNCTIONS else None,
             "functions": functions,
