@@ -1,15 +1,16 @@
 """End-to-end `LLM.generate` throughput of vLLM's CPU engine with and without the tokensampler plugin.
 
-    python benchmarks/vllm_cpu.py [--rounds 3] [--json benchmarks/vllm_cpu.json]
+    python benchmarks/vllm_cpu.py [--rounds 3] [--repeats 3] [--json benchmarks/vllm_cpu.json]
 
 The model is a locally built 2-layer Llama (hidden 128, head size 64) with a 151,936-token
 vocabulary whose output layer is drawn with std 0.35, so its logits have an LLM-like spread (std
 about 4: top-p 0.9 keeps tens of tokens). Each case generates 32 requests x 64 tokens (ignore_eos,
-32-token prompts) after an untimed warm-up generate of the same case. Each arm (vLLM's own sampler,
-the plugin) runs in a process of its own; the arms alternate round by round. Per arm and case: tokens
-per second, and the per-step breakdown measured inside the engine: the model forward, the sampler
-(vLLM's, or the plugin's whole `forward`), and for the plugin the part of it outside tokensampler's
-step (following the persistent batch, vLLM's output format).
+32-token prompts) after an untimed warm-up generate of the same case, `--repeats` times (3: the
+median counts; one greedy generate lasts under a second). Each arm (vLLM's own sampler, the plugin)
+runs in a process of its own; the arms alternate round by round. Per arm and case: tokens per
+second, the wall time per engine step, and the per-step breakdown measured inside the engine: the
+model forward, the sampler (vLLM's, or the plugin's whole `forward`), and for the plugin the part of
+it outside tokensampler's step (following the persistent batch, vLLM's output format).
 """
 
 from __future__ import annotations
@@ -37,8 +38,9 @@ CASES = {
 REQUESTS, TOKENS, PROMPT_LEN, VOCAB = 32, 64, 32, 151936
 
 
-def _arm(model: str, cases: list[str], out: str) -> None:
-    """One arm in this process: every case, warm-up then one timed generate, with step timings."""
+def _arm(model: str, cases: list[str], out: str, repeats: int) -> None:
+    """One arm in this process: every case, warm-up then `repeats` timed generates (the median's
+    tokens per second), with step timings over all of them."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -76,31 +78,37 @@ def _arm(model: str, cases: list[str], out: str) -> None:
                      use_tqdm=False)  # warm-up: compiled reductions, allocator, caches
         for values in timings.values():
             values.clear()
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        runs, decode_steps = [], {name: [] for name in timings}
+        for _ in range(repeats):
+            counts = {name: len(values) for name, values in timings.items()}
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            runs.append(time.perf_counter() - start)
+            for name, values in timings.items():  # the first call of a generate is its prefill step
+                decode_steps[name] += values[counts[name] + 1:]
+        seconds = statistics.median(runs)
         generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        decode = lambda v: v[1:] if len(v) > 1 else v  # noqa: E731 - the first call is the prefill step
+        steps = len(timings["sampler"]) // repeats
         results["cases"][case] = {
-            "seconds": seconds, "tokens": generated, "tokens_per_s": generated / seconds,
-            "steps": len(timings["sampler"]),
-            "forward_ms": 1e3 * statistics.median(decode(timings["forward"])),
-            "sampler_ms": 1e3 * statistics.median(decode(timings["sampler"])),
-            "tokensampler_step_ms": (1e3 * statistics.median(decode(timings["tokensampler_step"]))
-                                     if timings["tokensampler_step"] else None),
+            "seconds": seconds, "seconds_runs": runs, "tokens": generated, "tokens_per_s": generated / seconds,
+            "steps": steps, "step_ms": 1e3 * seconds / steps,
+            "forward_ms": 1e3 * statistics.median(decode_steps["forward"]),
+            "sampler_ms": 1e3 * statistics.median(decode_steps["sampler"]),
+            "tokensampler_step_ms": (1e3 * statistics.median(decode_steps["tokensampler_step"])
+                                     if decode_steps["tokensampler_step"] else None),
         }
     if state_sample is not None:
         BatchState.sample = state_sample
     Path(out).write_text(json.dumps(results))
 
 
-def _run_arm(model: Path, cases: list[str], plugin: bool, scratch: Path, tag: str) -> dict:
+def _run_arm(model: Path, cases: list[str], plugin: bool, scratch: Path, tag: str, repeats: int) -> dict:
     out = scratch / f"{tag}.json"
     env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
     if plugin:
         env["VLLM_PLUGINS"] = "tokensampler"
-    done = subprocess.run([sys.executable, __file__, "--arm", str(model), ",".join(cases), str(out)], env=env,
-                          capture_output=True, text=True)
+    done = subprocess.run([sys.executable, __file__, "--arm", str(model), ",".join(cases), str(out), str(repeats)],
+                          env=env, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"arm {tag} failed:\n{done.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -125,10 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--case", dest="cases", action="append", choices=sorted(CASES), default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--model", default=None, help="reuse this checkpoint directory (built if absent)")
-    parser.add_argument("--arm", nargs=3, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generates per case in each arm (median)")
+    parser.add_argument("--arm", nargs=4, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.arm:
-        _arm(args.arm[0], args.arm[1].split(","), args.arm[2])
+        _arm(args.arm[0], args.arm[1].split(","), args.arm[2], int(args.arm[3]))
         return 0
     cases = args.cases or list(CASES)
     with tempfile.TemporaryDirectory() as tmp:
@@ -142,18 +151,23 @@ def main(argv: list[str] | None = None) -> int:
             for plugin in (False, True):
                 arm = "plugin" if plugin else "vllm"
                 print(f"round {r + 1}/{args.rounds}: {arm} ...", file=sys.stderr, flush=True)
-                rounds.append({"round": r, "arm": arm, **_run_arm(model, cases, plugin, scratch, f"{arm}{r}")})
+                rounds.append({"round": r, "arm": arm,
+                               **_run_arm(model, cases, plugin, scratch, f"{arm}{r}", args.repeats)})
     summary = {}
     for case in cases:
         summary[case] = {}
         for arm in ("vllm", "plugin"):
             runs = [rd["cases"][case] for rd in rounds if rd["arm"] == arm]
             summary[case][arm] = {key: statistics.median(run[key] for run in runs)
-                                  for key in ("tokens_per_s", "forward_ms", "sampler_ms")}
+                                  for key in ("tokens_per_s", "step_ms", "forward_ms", "sampler_ms")}
             if arm == "plugin":
                 summary[case][arm]["tokensampler_step_ms"] = statistics.median(run["tokensampler_step_ms"]
                                                                                for run in runs)
     print(format_table(summary))
+    if "greedy" in summary:
+        greedy = summary["greedy"]["plugin"]["step_ms"]
+        print("plugin step / plugin greedy step: " + ", ".join(
+            f"{case} {row['plugin']['step_ms'] / greedy:.2f}x" for case, row in summary.items() if case != "greedy"))
     if args.json:
         import torch
         import vllm
@@ -163,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                                "torch": torch.__version__, "vllm": vllm.__version__},
                    "workload": {"requests": REQUESTS, "tokens": TOKENS, "prompt_len": PROMPT_LEN, "vocab": VOCAB,
                                 "model": "Llama, 2 layers, hidden 128, head size 64, lm_head std 0.35"},
-                   "rounds": rounds, "summary": summary}
+                   "repeats": args.repeats, "rounds": rounds, "summary": summary}
         Path(args.json).write_text(json.dumps(payload, indent=1))
     return 0
 

@@ -477,3 +477,20 @@ def test_head_route_falls_back_to_the_dense_route_when_the_crossing_is_deeper():
     params = [SamplingParams(temperature=0.8, top_p=0.999, seed=s) for s in range(4)]
     for config in (NativeConfig(), NativeConfig(top_p_head_chunks=2)):
         assert_same_output(run_reference(logits, params), run_sampler(logits, params, config=config))
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_head_route_sends_only_the_rows_whose_crossing_is_deeper_to_the_dense_route(mode, monkeypatch):
+    """A block of gaussian rows, five at top-p 0.9 (the crossing in the head) and two at 0.999
+    (below it): the dense route runs once, on those two rows alone, and every row's token, logprobs
+    and processed values are the reference's."""
+    dense_rows = []
+    real_dense = fused._dense_route
+    monkeypatch.setattr(fused, "_dense_route", lambda z, *a: dense_rows.append(z.shape[0]) or real_dense(z, *a))
+    logits = gaussian_rows(7, 60000, 4.0, seed=3)
+    params = [SamplingParams(temperature=0.8, top_p=0.999 if s in (1, 4) else 0.9, seed=s, logprobs=3)
+              for s in range(7)]
+    want = run_reference(logits, params, logprobs_mode=mode)
+    got = run_sampler(logits, params, logprobs_mode=mode)
+    assert_same_output(want, got)
+    assert dense_rows == [2]

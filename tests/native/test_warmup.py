@@ -104,7 +104,8 @@ def test_inference_mode_serves_without_fallback(compiled):
 def test_a_second_process_loads_what_warmup_compiled(compiled, tmp_path, monkeypatch):
     """Also when this process made its artefacts under another cache directory (the first test's):
     the warm-up's record must then be complete in the current one; and when this process compiled a
-    function of its own (the next process loads the step's functions and skips that one)."""
+    function of its own (the record holds only what the warm-up's steps called: the next process
+    loads the step's functions and calls each once)."""
     compiled = str(tmp_path / "moved")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled)
     # and a function this process registered at run time (as a test does), which the next process lacks

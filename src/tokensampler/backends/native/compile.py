@@ -8,8 +8,9 @@ exact recheck where it could change the answer, so compiled and eager runs give 
 (docs/cpu-fast-path.md).
 
 How a function is compiled (`CompiledFunction`): ahead of time, once per input layout, with
-`torch.compile(...).aot_compile` and the row count marked unbacked, so that one artefact serves
-every batch size (0, 1 and 2 included: no size is specialised) and a call never traces or
+`torch.compile(...).aot_compile`, every size dynamic and none specialised to 0 or 1 (inductor's
+backed-size-oblivious mode, the row count marked dynamic), so that one artefact serves every batch
+size (0, 1 and 2 included) and a call never traces or
 recompiles. A layout is, per tensor argument, its dtype, whether it is literally contiguous (else
 whether its last dim is), and which of its other sizes are 0 or 1 (those are specialised). Views
 are passed as plain aliases of their storage, so no guard looks at a view's base. Each artefact
@@ -149,7 +150,7 @@ def _aot_available() -> bool:
 class CompiledFunction:
     """`fn` compiled per input layout (see the module docstring); called like `fn`.
 
-    rows: the positions of the tensor arguments whose dim 0 is the row count (marked unbacked);
+    rows: the positions of the tensor arguments whose dim 0 is the row count (marked dynamic);
     unbacked: further (position, dim) pairs to mark unbacked (e.g. a reduction that must keep its
     sequential order)."""
 
@@ -161,7 +162,7 @@ class CompiledFunction:
         self.variants: dict[tuple, Callable] = {}
         self.files: dict[tuple, Path] = {}  # layout -> its artefact on disk (`save_manifest`)
         self.stats = {"loaded": 0, "compiled": 0, "fallbacks": 0, "seconds": 0.0}
-        self.called: set[tuple] = set()  # the layouts whose variant has run (a first call costs more)
+        self.calls: dict[tuple, int] = {}  # layout -> calls of its variant (a first call costs more)
 
     def __call__(self, *args: Any) -> Any:
         if torch.is_inference_mode_enabled():  # the artefacts are made and guarded outside it
@@ -179,7 +180,7 @@ class CompiledFunction:
                 if layout not in self.variants:
                     return self._prepare(layout, args, rows)
                 variant = self.variants[layout]
-        self.called.add(layout)
+        self.calls[layout] = self.calls.get(layout, 0) + 1
         try:
             return variant(*args)
         except RuntimeError as error:
@@ -241,7 +242,7 @@ class CompiledFunction:
         self.stats["seconds"] += time.perf_counter() - start
         self.variants[layout] = variant
         if called:
-            self.called.add(layout)
+            self.calls[layout] = self.calls.get(layout, 0) + 1
 
     def _load(self, path: Path) -> Callable | None:
         if not path.is_file():
@@ -256,7 +257,8 @@ class CompiledFunction:
 
     def _compile(self, path: Path, args: tuple, rows: Sequence[int]) -> Callable:
         example = self._marked(args, rows)
-        variant = torch.compile(self.fn, fullgraph=True, dynamic=True).aot_compile((example, {}))
+        with _size_oblivious():
+            variant = torch.compile(self.fn, fullgraph=True, dynamic=True).aot_compile((example, {}))
         self.stats["compiled"] += 1
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,14 +272,14 @@ class CompiledFunction:
         return variant
 
     def _marked(self, args: tuple, rows: Sequence[int]) -> tuple:
-        """Fresh aliases of the tensor arguments with the row dims (and `unbacked`) marked unbacked
-        (the marks stay off the caller's tensors)."""
-        from torch._dynamo.decorators import mark_unbacked
+        """Fresh aliases of the tensor arguments with the row dims marked dynamic and `unbacked`
+        marked unbacked (the marks stay off the caller's tensors)."""
+        from torch._dynamo.decorators import mark_dynamic, mark_unbacked
         marked = tuple(a.new_empty(0).set_(a.untyped_storage(), a.storage_offset(), a.size(), a.stride())
                        if isinstance(a, torch.Tensor) else a for a in args)
         for index in rows:
             if isinstance(marked[index], torch.Tensor) and marked[index].dim():
-                mark_unbacked(marked[index], 0)
+                mark_dynamic(marked[index], 0)
         for index, dim in self.unbacked:
             mark_unbacked(marked[index], dim)
         return marked
@@ -287,9 +289,20 @@ class CompiledFunction:
         self.stats["compiled"] += 1
 
         def call(*args: Any) -> Any:
-            with _LOCK:  # dynamo may trace inside the call
+            with _LOCK, _size_oblivious():  # dynamo may trace inside the call
                 return inner(*self._marked(args, rows))
         return call
+
+
+def _size_oblivious():
+    """While tracing: dynamic sizes are backed (inductor schedules with the example's sizes as hints)
+    but not specialised to 0 or 1, so one graph serves every row count. With the row count unbacked
+    instead, inductor's loops over a row ran several times slower (the dense route's race pass: 8.7
+    against 0.6 ms on 12 x 151,936)."""
+    import torch.fx.experimental._config as fx_config
+    if not hasattr(fx_config, "backed_size_oblivious"):
+        return contextlib.nullcontext()
+    return fx_config.patch(backed_size_oblivious=True)
 
 
 def register(name: str, fn: Callable, rows: Sequence[int] | None = None,
@@ -317,13 +330,22 @@ def _manifest(signature: str) -> Path:
     return artefact_dir() / f"warm-{hashlib.sha256(signature.encode()).hexdigest()[:16]}.json"
 
 
-def save_manifest(signature: str) -> None:
-    """Record which artefacts a warm-up with this `signature` prepared (`preload_manifest`). An
-    artefact this process holds from another cache directory (the user changed
-    TORCHINDUCTOR_CACHE_DIR since) is copied into the current one first, so the record is complete."""
+def call_counts() -> dict[str, dict[tuple, int]]:
+    """Per compiled function, the calls of each variant so far (`save_manifest`'s `since`)."""
+    return {name: dict(f.calls) for name, f in _FUNCTIONS.items()}
+
+
+def save_manifest(signature: str, since: dict[str, dict[tuple, int]]) -> None:
+    """Record which artefacts a warm-up with this `signature` used (`preload_manifest`): the variants
+    called since `call_counts()` returned `since`. An artefact this process holds from another cache
+    directory (the user changed TORCHINDUCTOR_CACHE_DIR since) is copied into the current one first,
+    so the record is complete."""
     entries = []
     for name, function in sorted(_FUNCTIONS.items()):
+        before = since.get(name, {})
         for layout, source in sorted(function.files.items(), key=lambda item: repr(item[0])):
+            if function.calls.get(layout, 0) <= before.get(layout, 0):
+                continue  # this process's, not the warm-up's (another sampler's, a test's)
             target = function._path(layout)
             if source != target and not target.is_file():
                 try:
@@ -371,7 +393,7 @@ def uncalled() -> list[str]:
     """"name layout" of every variant loaded but not run yet (its first call, a few ms more than
     later ones, is still ahead)."""
     return [f"{name} {layout!r}" for name, f in sorted(_FUNCTIONS.items()) for layout in f.variants
-            if layout not in f.called]
+            if not f.calls.get(layout)]
 
 
 def layouts() -> list[str]:
@@ -382,7 +404,8 @@ def layouts() -> list[str]:
 def report() -> dict:
     """What the bench records: whether compile was on, where its artefacts live, and per compiled
     function its variants, loads, compilations, eager fallbacks and seconds spent preparing."""
-    functions = {name: {"variants": len(f.variants), "uncalled": len(set(f.variants) - f.called), **f.stats,
+    functions = {name: {"variants": len(f.variants),
+                        "uncalled": sum(not f.calls.get(layout) for layout in f.variants), **f.stats,
                         **({"refusals": f.refusals} if f.refusals else {})}
                  for name, f in _FUNCTIONS.items()}
     return {"enabled": enabled(), "cache_dir": cache_dir(), "ahead_of_time": _aot_available() if _FUNCTIONS else None,

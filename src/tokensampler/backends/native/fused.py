@@ -20,7 +20,7 @@ mass), so the token is the definition's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -152,10 +152,29 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     if cols.any_top_p:
         tau, found = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale,
                             config)
-        if head_route and not bool(found.all()):  # a kept set reaching below the head: the whole row
-            return _dense_route(z, z_max, win_lower, cols)
+        if head_route and not bool(found.all()):  # a kept set reaching below the head: those rows whole
+            if not bool(found.any()):
+                return _dense_route(z, z_max, win_lower, cols)
+            return _head_or_dense(z, z_max, win_lower, cols, values, ids, tau, found)
     noisy, ids = _kept_only(values.masked_fill(values < tau[:, None], NEG_INF), ids)
     return gumbel.gumbel_argmax_candidates(noisy, ids, cols.keys), tau
+
+
+def _head_or_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, cols: RowColumns,
+                   values: torch.Tensor, ids: torch.Tensor, tau: torch.Tensor, found: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head route's rows: those whose top-p crossing lies in the head (`found`) from the list,
+    the others by the dense route on their rows alone (a flat row does not send its block's other
+    rows down the dense route)."""
+    kept = found.nonzero().squeeze(-1)
+    noisy, kept_ids = _kept_only(values[kept].masked_fill(values[kept] < tau[kept, None], NEG_INF), ids[kept])
+    tokens = torch.empty_like(cols.keys)
+    tokens[kept] = gumbel.gumbel_argmax_candidates(noisy, kept_ids, cols.keys[kept])
+    rows = (~found).nonzero().squeeze(-1)
+    sub = replace(cols, temperature=cols.temperature[rows], min_p=cols.min_p[rows],
+                  top_k=cols.top_k[rows], top_p=cols.top_p[rows], keys=cols.keys[rows])
+    tokens[rows], tau_rows = _dense_route(z[rows], z_max[rows], lower[rows], sub)
+    return tokens, tau.index_put((rows,), tau_rows)
 
 
 def _kept_only(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

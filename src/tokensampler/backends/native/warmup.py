@@ -100,7 +100,7 @@ def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: Na
     config, on each input layout of `_inputs`. The compiled functions are generic in the batch size
     and the vocabulary width (only their layout selects an artefact: `compile`), so the scratch
     vocabulary is at most WARM_VOCAB wide, with the sampler's padding. A warm-up records what it
-    prepared (`compile.save_manifest`); the next one with the same signature loads that, then runs
+    used (`compile.save_manifest`); the next one with the same signature loads that, then runs
     the mixes once at EXERCISE_VOCAB wide (a loaded function's first call does dynamo's first-run
     bookkeeping and touches its code for the first time: a few ms each, kept off serving steps).
     Returns {"seconds": wall time, "steps": count, "prepared": compiled functions compiled or loaded}."""
@@ -114,6 +114,7 @@ def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: Na
         small = min(vocab, EXERCISE_VOCAB)
         steps = _run_mixes(small, small + padded - vocab, logprobs_mode, config, device)
     else:
+        since = ts_compile.call_counts()
         steps = _run_mixes(vocab, padded, logprobs_mode, config, device)
-        ts_compile.save_manifest(signature)
+        ts_compile.save_manifest(signature, since)
     return {"seconds": time.perf_counter() - start, "steps": steps, "prepared": ts_compile.prepared() - prepared}

@@ -44,8 +44,11 @@ class BatchState:
     def follow(self, req_ids: Sequence[str | None], lookup: RequestLookup) -> None:
         """Make slot i hold the request of row i, for every row of the persistent batch."""
         rows = list(req_ids) + [None] * (self.lanes - len(req_ids))
+        if rows == self.held:  # the usual decode step: nothing moved
+            return
         where = {rid: s for s, rid in enumerate(self.held) if rid is not None}
-        gone = [s for s, rid in enumerate(self.held) if rid is not None and rid not in set(rows)]
+        present = set(rows)
+        gone = [s for s, rid in enumerate(self.held) if rid is not None and rid not in present]
         if gone:
             self.generator.release_slots(gone)
             for s in gone:
