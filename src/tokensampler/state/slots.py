@@ -217,6 +217,12 @@ class SamplerState:
         self.position[slots] = positions
         self.stream[slots] = streams
 
+    @staticmethod
+    def _real_pairs(slots: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, column) of every id >= 0 of `local` ([len(slots), S] columns, -1 = none)."""
+        real = local >= 0
+        return slots[:, None].expand_as(local)[real], local[real]
+
     def rebuild_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
                         output_tokens: torch.Tensor | None) -> None:
         """Rebuild the penalty history of `slots` from `[len(slots), S]` int64 global ids, -1 = padding.
@@ -226,20 +232,18 @@ class SamplerState:
         those another rank holds); the kept latest output tokens (bad words) become the last
         `history_depth` of them (padding skipped wherever it is).
         """
-        width = self.width
+        # written in place, row by id: a [len(slots), V] temporary would be allocated (page-faulted)
+        # and copied on every admission
         if prompt_tokens is not None:
-            local = self.layout.local_tensor(prompt_tokens)
-            mask = torch.zeros((slots.numel(), width + 1), dtype=torch.bool, device=self.device)
-            mask.scatter_(1, torch.where(local < 0, width, local), True)
-            self.prompt_mask[slots] = mask[:, :width]
-        counts = torch.zeros((slots.numel(), width + 1), dtype=torch.int32, device=self.device)
+            rows, ids = self._real_pairs(slots, self.layout.local_tensor(prompt_tokens))
+            self.prompt_mask.index_fill_(0, slots, False)
+            self.prompt_mask[rows, ids] = True
+        self.output_counts.index_fill_(0, slots, 0)
         lengths = torch.zeros(slots.numel(), dtype=torch.int64, device=self.device)
         if output_tokens is not None:
-            local = self.layout.local_tensor(output_tokens)
-            ids = torch.where(local < 0, width, local)
-            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
+            rows, ids = self._real_pairs(slots, self.layout.local_tensor(output_tokens))
+            self.output_counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
             lengths = (output_tokens >= 0).sum(dim=1)
-        self.output_counts[slots] = counts[:, :width]
         self.output_len[slots] = lengths
         depth = self.history_depth
         if depth:

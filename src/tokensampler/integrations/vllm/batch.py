@@ -86,7 +86,8 @@ class BatchState:
     def sample(self, logits: torch.Tensor, record: Sequence[bool]) -> tuple[torch.Tensor, LogprobsOutput | None]:
         """Sample row b of `logits` for slot b; only rows where `record` is True are counted and advanced."""
         active = [b for b, keep in enumerate(record) if keep]
-        return self.generator.sample(logits, active_slots=active)
+        # every row recorded: the generator's default (every occupied slot below B) is exactly them
+        return self.generator.sample(logits, active_slots=None if len(active) == len(record) else active)
 
 
 def _rows(lists: list[list[int]]) -> torch.Tensor:
