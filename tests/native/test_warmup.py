@@ -150,3 +150,37 @@ def test_compiled_functions_serve_every_row_count_without_guards_failing(compile
             floor = torch.zeros(rows)
             assert torch.equal(count(z, floor), row_stats._count(z, floor))
     assert _fallbacks() == before
+
+
+def test_an_artefact_serves_only_the_thread_count_it_was_built_for(compiled, tmp_path, monkeypatch):
+    """Inductor builds its CPU loops for torch's intra-op thread count, and a loaded artefact's guards
+    refuse another one: after `torch.set_num_threads` changes it, a call compiles (or loads) the
+    variant of the new count instead of falling back to eager, and a process started with the other
+    count loads its own artefacts (the warm-up's record is per thread count): it falls back nowhere
+    and compiles nothing after its warm-up."""
+    from tokensampler.backends.native import row_stats
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "threads"))
+    threads = torch.get_num_threads()
+    count = ts_compile.maybe_compiled("winnable_count", row_stats._count)
+    z, floor = torch.randn(5, 3000), torch.zeros(5)
+    before = _fallbacks()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            assert torch.equal(count(z, floor), row_stats._count(z, floor))
+    finally:
+        torch.set_num_threads(threads)
+    assert _fallbacks() == before
+    assert {key[0] for key in count.variants if key[1:] == ts_compile._layout((z, floor), (0, 1))[1:]} \
+        >= {("threads", 1), ("threads", 2)}
+    code = ("import json, sys, torch; from tokensampler import Sampler, SamplingParams; "
+            "from tokensampler.backends.native import compile as c; torch.set_num_threads(int(sys.argv[1])); "
+            f"s = Sampler({VOCAB}, max_slots=4, padded_vocab_size={PADDED}); s.warmup(); p = c.prepared(); "
+            "[s.add_request(i, SamplingParams(temperature=1.0, top_p=0.9, seed=i), []) for i in range(4)]; "
+            f"s.sample(torch.randn(4, {PADDED}) * 4); "
+            "print(json.dumps([sum(f['fallbacks'] for f in c.report()['functions'].values()), c.prepared() - p]))")
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "threads"), "TOKENSAMPLER_COMPILE": "1"}
+    for n in (1, 2):  # the first warms up cold with 1 thread; the second must not load its artefacts
+        done = subprocess.run([sys.executable, "-c", code, str(n)], env=env, capture_output=True, text=True,
+                              check=True)
+        assert json.loads(done.stdout.strip().splitlines()[-1]) == [0, 0], done.stdout  # no fallback, no compile

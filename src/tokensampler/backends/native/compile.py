@@ -10,20 +10,20 @@ exact recheck where it could change the answer, so compiled and eager runs give 
 How a function is compiled (`CompiledFunction`): ahead of time, once per input layout, with
 `torch.compile(...).aot_compile`, every size dynamic and none specialised to 0 or 1 (inductor's
 backed-size-oblivious mode, the row count marked dynamic), so that one artefact serves every batch
-size (0, 1 and 2 included) and a call never traces or
-recompiles. A layout is, per tensor argument, its dtype, whether it is literally contiguous (else
-whether its last dim is), and which of its other sizes are 0 or 1 (those are specialised). Views
-are passed as plain aliases of their storage, so no guard looks at a view's base. Each artefact
-is saved under inductor's own cache directory (`cache_dir()`: TORCHINDUCTOR_CACHE_DIR if the
-user set it, else inductor's default; tokensampler sets no environment variable), in a folder
-keyed by the torch and tokensampler versions, the CPU capability and the source of the compiled
-code; a later process loads it without tracing (`torch.compiler.load_compiled_function`;
-inductor's once-per-process check of the CPU's vector ISA is skipped while loading when a
-compilation on this machine passed it). A call whose inputs fail the loaded function's guards
-runs eagerly (same tokens) and is counted in `report()`. Where ahead-of-time compilation is not
-available (older torch) the function is compiled just in time. `Sampler.warmup` prepares every
-layout a sampler uses before serving (`warmup.warm`, which records what it prepared so that the
-next process only loads).
+size (0, 1 and 2 included) and a call never traces or recompiles. A layout is torch's thread count
+(inductor's CPU loops are built for it) and, per tensor argument, its dtype, whether it is literally
+contiguous (else whether its last dim is), and which of its other sizes are 0 or 1 (those are
+specialised). Views are passed as plain aliases of their storage, so no guard looks at a view's
+base. Each artefact is saved under inductor's own cache directory (`cache_dir()`:
+TORCHINDUCTOR_CACHE_DIR if the user set it, else inductor's default; tokensampler sets no
+environment variable), in a folder keyed by the torch and tokensampler versions, the CPU capability
+and the source of the compiled code; a later process loads it without tracing
+(`torch.compiler.load_compiled_function`; inductor's once-per-process check of the CPU's vector ISA
+is skipped while loading when a compilation on this machine passed it). A call whose inputs fail the
+loaded function's guards runs eagerly (same tokens) and is counted in `report()`. Where
+ahead-of-time compilation is not available (older torch) the function is compiled just in time.
+`Sampler.warmup` prepares every layout a sampler uses before serving (`warmup.warm`, which records
+what it prepared so that the next process only loads).
 """
 
 from __future__ import annotations
@@ -120,9 +120,10 @@ def _plain(value: Any) -> Any:
 
 
 def _layout(args: Sequence[Any], rows: Sequence[int]) -> tuple:
-    """What selects a compiled variant: per tensor, dtype, literal contiguity (or contiguous last dim,
-    or neither), sizes 0/1 off the row dim."""
-    key = []
+    """What selects a compiled variant: torch's intra-op thread count (inductor builds its loops for
+    it, and a loaded artefact's guards refuse another), then per tensor, dtype, literal contiguity
+    (or contiguous last dim, or neither), sizes 0/1 off the row dim."""
+    key: list[Any] = [("threads", torch.get_num_threads())]
     for index, value in enumerate(args):
         if not isinstance(value, torch.Tensor):
             key.append(("value", type(value).__name__))

@@ -109,7 +109,7 @@ def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: Na
     device = torch.device(device)
     vocab = min(vocab_size, WARM_VOCAB)
     padded = vocab + padded_vocab_size - vocab_size
-    signature = repr((vocab, padded, logprobs_mode, config, device.type))
+    signature = repr((vocab, padded, logprobs_mode, config, device.type, torch.get_num_threads()))
     if ts_compile.preload_manifest(signature):
         small = min(vocab, EXERCISE_VOCAB)
         steps = _run_mixes(small, small + padded - vocab, logprobs_mode, config, device)
