@@ -99,10 +99,9 @@ def run_warmup_bench(vocab: int = VOCAB, padded: int = PADDED, max_slots: int = 
         print(f"    {cold['warmup_seconds']:.1f} s; {repeats} x (warm cache, then batch sizes "
               f"{batches[0]}..{batches[-1]}) ...", file=log, flush=True)
         warms = [_child(cache, vocab, padded, max_slots, batches) for _ in range(repeats)]
-    per_batch = [{"batch": batch, "first_over_second": statistics.median(w["batches"][i]["first_over_second"]
-                                                                         for w in warms),
-                  "runs": [w["batches"][i]["first_over_second"] for w in warms]}
-                 for i, batch in enumerate(batches)]
+    runs = [[w["batches"][i]["first_over_second"] for w in warms] for i in range(len(batches))]
+    per_batch = [{"batch": batch, "first_over_second": statistics.median(ratios), "runs": ratios}
+                 for batch, ratios in zip(batches, runs)]
     worst = max(per_batch, key=lambda b: b["first_over_second"])
     return {"vocab": vocab, "padded_vocab": padded, "max_slots": max_slots, "batches": batches, "repeats": repeats,
             "cold_warmup_seconds": cold["warmup_seconds"],

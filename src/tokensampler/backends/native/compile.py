@@ -181,7 +181,7 @@ class CompiledFunction:
                 if layout not in self.variants:
                     return self._prepare(layout, args, rows)
                 variant = self.variants[layout]
-        self.calls[layout] = self.calls.get(layout, 0) + 1
+        self._count_call(layout)
         try:
             return variant(*args)
         except RuntimeError as error:
@@ -243,7 +243,14 @@ class CompiledFunction:
         self.stats["seconds"] += time.perf_counter() - start
         self.variants[layout] = variant
         if called:
-            self.calls[layout] = self.calls.get(layout, 0) + 1
+            self._count_call(layout)
+
+    def _count_call(self, layout: tuple) -> None:
+        self.calls[layout] = self.calls.get(layout, 0) + 1
+
+    def uncalled(self) -> list[tuple]:
+        """The layouts of the variants held but not run yet."""
+        return [layout for layout in self.variants if not self.calls.get(layout)]
 
     def _load(self, path: Path) -> Callable | None:
         if not path.is_file():
@@ -393,8 +400,7 @@ def prepared() -> int:
 def uncalled() -> list[str]:
     """"name layout" of every variant loaded but not run yet (its first call, a few ms more than
     later ones, is still ahead)."""
-    return [f"{name} {layout!r}" for name, f in sorted(_FUNCTIONS.items()) for layout in f.variants
-            if not f.calls.get(layout)]
+    return [f"{name} {layout!r}" for name, f in sorted(_FUNCTIONS.items()) for layout in f.uncalled()]
 
 
 def layouts() -> list[str]:
@@ -406,7 +412,7 @@ def report() -> dict:
     """What the bench records: whether compile was on, where its artefacts live, and per compiled
     function its variants, loads, compilations, eager fallbacks and seconds spent preparing."""
     functions = {name: {"variants": len(f.variants),
-                        "uncalled": sum(not f.calls.get(layout) for layout in f.variants), **f.stats,
+                        "uncalled": len(f.uncalled()), **f.stats,
                         **({"refusals": f.refusals} if f.refusals else {})}
                  for name, f in _FUNCTIONS.items()}
     return {"enabled": enabled(), "cache_dir": cache_dir(), "ahead_of_time": _aot_available() if _FUNCTIONS else None,
