@@ -85,6 +85,7 @@ class Sampler:
         self.state = SamplerState(self.max_slots, self.layout, self.device)
         self.backends = Backends(self.state, self.logprobs_mode, self.agreement, native_config, kernel_config)
         self._row_keys: dict[int, tuple[SamplingParams, int]] = {}  # id(params) -> (params, hash)
+        self._default_plan: StepPlan | None = None  # the last plan of rows 0..B-1 (slots=None, unshared)
 
     # ---------------------------------------------------------------- admission
     def add_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int], *,
@@ -373,6 +374,13 @@ class Sampler:
             batch, width = logits.shape
             if width == layout.columns:  # a width mismatch is raised below, on every rank
                 check_logits(logits, layout.columns, self.device)
+                last = self._default_plan
+                # the slots' params equal the last plan's rows: those slots were checked occupied then
+                # (a released slot's params are None) and the plan (a function of the rows) holds
+                if slots is None and not shared and last is not None and last.rows == tuple(self.state.params[:batch]):
+                    self._check_record(record, batch)
+                    self._check_bitmask(token_bitmask, logits)
+                    return last
                 slot_list = self._check_slots(slots, batch)
                 self._check_record(record, len(slot_list))
                 self._check_bitmask(token_bitmask, logits)
@@ -397,7 +405,10 @@ class Sampler:
         if any(d != digests[0] for d in digests):
             raise SplitMismatch("params", "different slots or requests across ranks",
                                 "the same slots, requests, record mask and logits dtype on every rank of the group")
-        return plan_step([self.state.params[s] for s in slot_list], self.vocab_size, slot_list)
+        plan = plan_step([self.state.params[s] for s in slot_list], self.vocab_size, slot_list)
+        if slots is None and not shared:
+            self._default_plan = plan
+        return plan
 
     def _check_slots(self, slots: Any, batch: int) -> list[int]:
         slot_list = list(range(batch)) if slots is None else int_list("slots", slots)

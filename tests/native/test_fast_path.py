@@ -494,3 +494,27 @@ def test_head_route_sends_only_the_rows_whose_crossing_is_deeper_to_the_dense_ro
     got = run_sampler(logits, params, logprobs_mode=mode)
     assert_same_output(want, got)
     assert dense_rows == [2]
+
+
+@pytest.mark.parametrize("special", ["none", "nan", "all_removed", "posinf", "padded"])
+def test_plain_greedy_rows_of_a_long_vocabulary_match_the_reference(special):
+    """Plain greedy batches of a long vocabulary (blocked argmax on the logits themselves, the row
+    maxima from the block maxima); a NaN or an all -inf row sends the batch to the general path,
+    which returns the reference's ids and validity."""
+    from tokensampler.tools.workloads import make_logits
+    logits = make_logits(3, 20000, seed=5)
+    vocab = 20000
+    if special == "nan":
+        logits[1, 12345] = float("nan")
+    elif special == "all_removed":
+        logits[2] = NEG_INF
+    elif special == "posinf":
+        logits[0, 17] = logits[0, 19000] = float("inf")
+    elif special == "padded":
+        vocab = 19990  # logits[:, :V] is a view with a row stride of the padded width
+        logits[:, vocab:] = 1e9
+    params = [SamplingParams(temperature=0.0)] * 3
+    want = run_reference(logits, params, vocab_size=vocab)
+    got = run_sampler(logits, params, vocab_size=vocab)
+    assert_same_output(want, got)
+    assert got.valid.tolist() == [True, True, special != "all_removed"]

@@ -37,6 +37,13 @@ class StepPlan:
     bad_words: bool = False  # a row has bad words (step 3, on the slot's recorded output)
 
     @property
+    def plain_greedy(self) -> bool:
+        """Every row greedy and no row removes or changes an id (steps 3-6 change nothing): each
+        row's token is the first maximum of its raw logits."""
+        return not (self.sampled_rows or self.penalties or self.logit_bias or self.allowed_ids or self.min_tokens
+                    or self.bad_words)
+
+    @property
     def wants_logprobs(self) -> bool:
         return any(n >= 0 for n in self.num_logprobs)
 

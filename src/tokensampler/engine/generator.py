@@ -331,26 +331,26 @@ class SamplingGenerator:
         logits tensor (write the new logits into it); its outputs are overwritten by the next replay.
         Returns (token ids int64 [B], logprobs or None); `last_output.valid` flags rows with no id left.
         """
-        def check() -> tuple[int, list[int]]:
+        def check() -> tuple[int, list[int], bool]:
             check_bool("enable_trace", enable_trace)
             batch = self._check_logits(logits)
             active = self._active_lanes(active_slots, batch, "logits")
             force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
             if enable_trace and self.agreement.shared and force_argmax == self._force_argmax:  # a flip drops all
                 self.tracer.check(logits, force_argmax)
-            return batch, active
+            return batch, active, force_argmax
 
-        batch, active = self.agreement.check("sample", check, enable_trace)
-        record = torch.zeros(batch, dtype=torch.bool)
-        record[active] = True
-        force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
+        batch, active, force_argmax = self.agreement.check("sample", check, enable_trace)
         if force_argmax != self._force_argmax:
             self.clear_traces()
             self._force_argmax = force_argmax
-        if enable_trace:
-            out = self.tracer.step(logits, record, force_argmax)
+        if not enable_trace and len(set(active)) == batch:  # every row counts (active: slots below batch)
+            out = self.sampler.sample(logits)
         else:
-            out = self.sampler.sample(logits, record=record.to(self.device))
+            record = torch.zeros(batch, dtype=torch.bool)
+            record[active] = True
+            out = (self.tracer.step(logits, record, force_argmax) if enable_trace
+                   else self.sampler.sample(logits, record=record.to(self.device)))
         self.seed_manager.get_new_values(active)  # mirrors the device advance, once per token
         self.last_output = out
         return out.token_ids, out.logprobs

@@ -42,11 +42,6 @@ from .config import DEFAULT, NativeConfig
 from .indexing import read_at, write_at
 
 
-def _plain_greedy(p: SamplingParams) -> bool:
-    return (p.greedy and not has_penalties(p) and not p.logit_bias and p.allowed_token_ids is None
-            and p.min_tokens == 0 and not p.bad_words_token_ids)
-
-
 def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
     return [b for b, p in enumerate(rows) if pred(p)]
 
@@ -83,6 +78,10 @@ class TorchStep:
         (`_run_direct`) where it applies; else (or when it hands the call back) one block of
         consecutive rows at a time through the workspace. No buffer of the logits' size is
         allocated on any route."""
+        if token_bitmask is None and plan.plain_greedy and not plan.wants_logprobs:
+            plain = self._run_plain_greedy(logits)
+            if plain is not None:
+                return plain
         batch = logits.shape[0]
         device = logits.device
         rows = list(plan.rows)
@@ -95,10 +94,6 @@ class TorchStep:
                                     torch.zeros(batch, dtype=torch.int64, device=device),
                                     torch.full((batch, width), -1, dtype=torch.int64, device=device),
                                     torch.full((batch, width), NEG_INF, dtype=torch.float32, device=device))
-        if token_bitmask is None and all(_plain_greedy(p) for p in rows) and not plan.wants_logprobs:
-            self._run_plain_greedy(logits, tokens, valid)
-            if bool(valid.all()):
-                return SamplerOutput(tokens, valid, None)
         if self.config.direct_route and token_bitmask is None and self._direct_applies(logits, plan, rows):
             if self._run_direct(logits, index, rows, plan, tokens, valid, result):
                 return SamplerOutput(tokens, valid, result)
@@ -216,13 +211,16 @@ class TorchStep:
             stop = min(logits.shape[0], start + rows_per_call)
             self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
 
-    def _run_plain_greedy(self, logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor) -> None:
+    def _run_plain_greedy(self, logits: torch.Tensor) -> SamplerOutput | None:
         """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no
-        copy (+inf is a maximum; a NaN found there sends the batch to the general path)."""
+        copy (+inf is a maximum). None when a row's maximum is NaN or every id is -inf: the general
+        path decides those rows."""
         real = logits[:, :self.vocab_size]
-        tokens.copy_(first_argmax(real))
-        best = real.gather(-1, tokens[:, None]).squeeze(-1)
-        valid.copy_(best > NEG_INF)  # all -inf: argmax gives 0, the raw greedy id; NaN: False here
+        block_max = block_maxima(real)
+        tokens = first_argmax(real, block_max=block_max)
+        best = real.gather(-1, tokens[:, None]).squeeze(-1) if block_max is None else block_max.amax(dim=-1)
+        valid = best > NEG_INF  # NaN: False
+        return SamplerOutput(tokens, valid, None) if bool(valid.all()) else None
 
     @property
     def workspace_bytes(self) -> int:
