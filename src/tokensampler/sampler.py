@@ -365,7 +365,7 @@ class Sampler:
         """Local checks, then (on a split) one all-gather of (batch, width, a digest of the rows):
         every rank raises if any rank failed or the ranks disagree. Returns the step's plan."""
         layout, shared = self.layout, self.agreement.shared
-        error, slot_list, batch, width, recorded = None, [], -1, -1, None
+        error, slot_list, batch, width, recorded, reused = None, [], -1, -1, None, None
         try:
             what = " (this rank's slice)" if layout.split else ""
             if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
@@ -374,14 +374,8 @@ class Sampler:
             batch, width = logits.shape
             if width == layout.columns:  # a width mismatch is raised below, on every rank
                 check_logits(logits, layout.columns, self.device)
-                last = self._default_plan
-                # the slots' params equal the last plan's rows: those slots were checked occupied then
-                # (a released slot's params are None) and the plan (a function of the rows) holds
-                if slots is None and not shared and last is not None and last.rows == tuple(self.state.params[:batch]):
-                    self._check_record(record, batch)
-                    self._check_bitmask(token_bitmask, logits)
-                    return last
-                slot_list = self._check_slots(slots, batch)
+                reused = self._reusable_plan(slots, batch)
+                slot_list = list(reused.slots) if reused is not None else self._check_slots(slots, batch)
                 self._check_record(record, len(slot_list))
                 self._check_bitmask(token_bitmask, logits)
                 recorded = None if record is None or not shared else record.tolist()
@@ -405,10 +399,22 @@ class Sampler:
         if any(d != digests[0] for d in digests):
             raise SplitMismatch("params", "different slots or requests across ranks",
                                 "the same slots, requests, record mask and logits dtype on every rank of the group")
+        if reused is not None:
+            return reused
         plan = plan_step([self.state.params[s] for s in slot_list], self.vocab_size, slot_list)
         if slots is None and not shared:
             self._default_plan = plan
         return plan
+
+    def _reusable_plan(self, slots: Any, batch: int) -> StepPlan | None:
+        """The last plan of rows 0..B-1 (`slots` None, no group) when the slots' params equal its
+        rows: those slots were checked occupied then (a released slot's params are None), and the
+        plan, a function of the rows' params only, holds. Else None."""
+        last = self._default_plan
+        if slots is None and not self.agreement.shared and last is not None \
+                and last.rows == tuple(self.state.params[:batch]):
+            return last
+        return None
 
     def _check_slots(self, slots: Any, batch: int) -> list[int]:
         slot_list = list(range(batch)) if slots is None else int_list("slots", slots)
