@@ -21,8 +21,11 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 
 
 def build_llama(directory: str | Path, *, vocab_size: int = 1000, hidden_size: int = 128, layers: int = 2,
-                head_std: float | None = 0.5, seed: int = 0) -> Path:
-    """Write the checkpoint into `directory` (created) and return it. Deterministic in `seed`."""
+                head_std: float | None = 0.5, seed: int = 0, kv_heads: int | None = None) -> Path:
+    """Write the checkpoint into `directory` (created) and return it. Deterministic in `seed`.
+
+    `hidden_size // 64` attention heads; `kv_heads` key/value heads (default: as many), e.g. 4 heads
+    over 2 KV heads at hidden size 256 for a tensor-parallel engine of 2 ranks."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
@@ -48,7 +51,7 @@ def build_llama(directory: str | Path, *, vocab_size: int = 1000, hidden_size: i
 
     config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
                          num_hidden_layers=layers, num_attention_heads=hidden_size // 64,
-                         num_key_value_heads=hidden_size // 64, head_dim=64, max_position_embeddings=4096,
+                         num_key_value_heads=kv_heads or hidden_size // 64, head_dim=64, max_position_embeddings=4096,
                          rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)

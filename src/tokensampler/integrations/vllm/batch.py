@@ -12,11 +12,13 @@ commands, in this order:
 
 A request's seed, position and penalty counts stay on the device from step to step (O(B) updates by
 the sampled tokens); nothing is rebuilt from token lists except at admission. The comparison is
-O(rows) on the host.
+O(rows) on the host. Every admission is logged at DEBUG (logger `tokensampler.integrations.vllm`):
+request id, slot and the effective seed, drawn or given, so an unseeded request can be replayed.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Sequence
 
 import torch
@@ -27,17 +29,24 @@ from ...engine.generator import SamplingGenerator
 from .params import to_tokensampler
 
 RequestLookup = Callable[[str], Any]  # request id -> vLLM's CachedRequestState
+LOG = logging.getLogger("tokensampler.integrations.vllm")
 
 
 class BatchState:
-    """The tokensampler state of one vLLM persistent batch (`lanes` rows, `vocab_size` logits)."""
+    """The tokensampler state of one vLLM persistent batch (`lanes` rows, `vocab_size` logits).
+
+    seed_source: the seeds of unseeded requests (None: fresh ones); the ranks of a tensor-parallel
+    group pass the same source (`ranks.agreed_seed_source`) and admit the same requests in the same
+    order, so they draw the same seeds.
+    """
 
     def __init__(self, lanes: int, vocab_size: int, device: torch.device | str, *, logprobs_mode: str,
-                 max_logprobs: int) -> None:
+                 max_logprobs: int, seed_source: Callable[[], int] | None = None) -> None:
         self.lanes = lanes
         self.vocab_size = vocab_size
         self.generator = SamplingGenerator(vocab_size, max_batch_size=lanes, device=device,
-                                           logprobs_mode=logprobs_mode, max_logprobs=max_logprobs)
+                                           logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
+                                           seed_source=seed_source)
         self.held: list[str | None] = [None] * lanes  # the request id each slot holds
         self.seeds: dict[str, int] = {}  # request id -> effective seed (drawn for unseeded requests)
 
@@ -79,9 +88,11 @@ class BatchState:
         seeds = self.generator.apply_prefill_state(
             sampling_params=BatchSamplingParams.from_requests(params), prompt_tokens=_rows(prompts),
             empty_slots=slots, output_tokens=_rows(outputs) if any(outputs) else None)
-        for slot, rid, seed in zip(slots, req_ids, seeds):
+        for slot, rid, seed, p in zip(slots, req_ids, seeds, params):
             self.held[slot] = rid
             self.seeds[rid] = seed
+            LOG.debug("admitted request %s to slot %d, seed %d (%s)", rid, slot, seed,
+                      "given" if p.seed is not None else "drawn")
 
     def sample(self, logits: torch.Tensor, record: Sequence[bool]) -> tuple[torch.Tensor, LogprobsOutput | None]:
         """Sample row b of `logits` for slot b; only rows where `record` is True are counted and advanced."""

@@ -33,6 +33,7 @@ from vllm.v1.sample.sampler import Sampler as VllmSampler
 
 from .batch import BatchState
 from .logprobs import to_vllm_logprobs
+from .ranks import agreed_seed_source, tensor_parallel
 
 BUILTIN_PROCESSORS = (MinTokensLogitsProcessor, LogitBiasLogitsProcessor, MinPLogitsProcessor)
 
@@ -62,7 +63,8 @@ class TokenSamplerSampler(VllmSampler):
             self.state()
 
     def state(self) -> BatchState:
-        """The state of the runner's current persistent batch (made when the runner makes a new one)."""
+        """The state of the runner's current persistent batch (made when the runner makes a new one;
+        collective with tensor parallelism: every rank of the group makes it at the same call)."""
         runner = self.runner()
         batch = runner.input_batch
         state = self._states.get(id(batch))
@@ -70,8 +72,9 @@ class TokenSamplerSampler(VllmSampler):
             config = runner.model_config
             vocab = config.get_vocab_size()
             max_logprobs = config.max_logprobs if config.max_logprobs >= 0 else vocab
+            # the ranks of a tensor-parallel group draw the same seeds for unseeded requests
             state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
-                               max_logprobs=max_logprobs)
+                               max_logprobs=max_logprobs, seed_source=agreed_seed_source(tensor_parallel()))
             self._states = {id(batch): state}  # an older batch is gone for good
         return state
 
