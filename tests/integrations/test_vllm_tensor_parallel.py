@@ -55,7 +55,8 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
 SPEC_PARAMS = [dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True),
                dict(temperature=0.0, max_tokens=40, ignore_eos=True),
                dict(temperature=0.9, max_tokens=40, ignore_eos=True, repetition_penalty=1.2, presence_penalty=0.3)]
-GATHERED_ENGINES = ("tp2", "tp2_ngram")
+TP2_ENGINES = ("tp2", "tp2_shards", "tp2_ngram")
+GRAMMAR = {"regex": "(w1|w2|w3)+"}  # three tokens of the tiny vocabulary (and EOS) allowed at every step
 
 
 def prompts(count: int, seed: int) -> list[list[int]]:
@@ -85,6 +86,11 @@ def tp_runs() -> list[dict]:
         {"name": "followup_warm", "prompts": unseeded, "extend": "unseeded", "params": [greedy_follow] * 8},
         {"name": "followup_cold", "prompts": unseeded, "extend": "unseeded", "reset_prefix_cache": True,
          "params": [greedy_follow] * 8},
+        {"name": "grammar", "prompts": prompts(4, 7),  # rows with and without a grammar in one batch
+         "params": [dict(temperature=0.9, seed=31, max_tokens=12, structured_outputs=GRAMMAR),
+                    dict(temperature=0.9, seed=32, max_tokens=12, ignore_eos=True),
+                    dict(temperature=0.0, max_tokens=12, structured_outputs=GRAMMAR),
+                    dict(temperature=1.0, seed=33, top_p=0.95, max_tokens=12, structured_outputs=GRAMMAR)]},
     ]
 
 
@@ -102,9 +108,12 @@ def engines(model, tmp_path_factory) -> tuple[dict, dict]:
     records.mkdir()
     spec = {"model": str(model), "engines": [
         {"name": "tp1", "runs": [{"name": "seeded_alone", "prompts": [PROMPT], "params": [SEEDED]}]},
-        {"name": "tp2", "llm": TP2, "env": TP2_ENV, "runs": tp_runs()},
+        {"name": "tp2", "llm": TP2, "env": {**TP2_ENV, "TOKENSAMPLER_VLLM_LOGITS": "gathered"}, "runs": tp_runs()},
+        {"name": "tp2_shards", "llm": TP2, "env": {**TP2_ENV, "TOKENSAMPLER_VLLM_LOGITS": "shards"},
+         "runs": tp_runs()},
         # last in its process: after a speculative engine, vLLM 0.32 fails to build another one
-        {"name": "tp2_ngram", "llm": {**TP2, "speculative_config": NGRAM}, "env": TP2_ENV,
+        {"name": "tp2_ngram", "llm": {**TP2, "speculative_config": NGRAM},
+         "env": {**TP2_ENV, "TOKENSAMPLER_VLLM_LOGITS": "shards"},  # speculation: gathered all the same
          "runs": [{"name": "speculation_on", "prompts": [REPEATS] * 3, "params": SPEC_PARAMS}]},
     ]}
     (tmp / "spec.json").write_text(json.dumps(spec))
@@ -135,7 +144,7 @@ def seeds_of(ranks: dict[int, list[dict]]) -> dict[str, int]:
     return seeds
 
 
-@pytest.mark.parametrize("tag", GATHERED_ENGINES)
+@pytest.mark.parametrize("tag", TP2_ENGINES)
 def test_the_ranks_sample_identical_ids_at_every_step(engines, tag):
     _, ranks = engines
     assert sorted(ranks[tag]) == [0, 1]
@@ -149,6 +158,8 @@ def test_the_ranks_sample_identical_ids_at_every_step(engines, tag):
     if tag == "tp2_ngram":
         assert any(s["speculative"] for s in zero) and {s["rejection_sampler"] for s in zero} == {
             "TokenSamplerRejectionSampler"}
+    # the sampler got the gathered rows, or on the shard path its own half of the 1,024 padded columns
+    assert {s["logits_width"] for s in zero + one} == ({512} if tag == "tp2_shards" else {VOCAB})
 
 
 def test_unseeded_requests_draw_distinct_seeds_that_change_from_engine_to_engine(engines):
@@ -157,16 +168,18 @@ def test_unseeded_requests_draw_distinct_seeds_that_change_from_engine_to_engine
     ids = out["tp2"]["request_ids"]["unseeded"]
     unseeded = [seeds[rid] for rid in seeds if any(rid.startswith(f"{e}-") for e in ids)]
     assert len(unseeded) == 8 and len(set(unseeded)) == 8
-    assert all(len({tuple(c) for c in choices}) == 3 for choices in tokens(out["tp2"], "unseeded_n3"))
+    children = [seeds[rid] for rid in seeds if any(f"_{e}-" in rid for e in out["tp2"]["request_ids"]["unseeded_n3"])]
+    assert len(children) == 6 and len(set(children + unseeded)) == 14  # n=3 children are unseeded requests of their own
     ngram_seeds = set(seeds_of(ranks["tp2_ngram"]).values())
     assert not ngram_seeds & set(unseeded)
     # the unseeded n-gram request (third) differs from the seeded one with the same prompt
     assert tokens(out["tp2_ngram"], "speculation_on")[2][0] != tokens(out["tp2_ngram"], "speculation_on")[0][0]
 
 
-def test_a_greedy_followup_over_unseeded_output_is_the_same_with_a_warm_and_a_cold_prefix_cache(engines):
+@pytest.mark.parametrize("tag", ["tp2", "tp2_shards"])
+def test_a_greedy_followup_over_unseeded_output_is_the_same_with_a_warm_and_a_cold_prefix_cache(engines, tag):
     out, _ = engines
-    engine = out["tp2"]
+    engine = out[tag]
     warm, cold = tokens(engine, "followup_warm"), tokens(engine, "followup_cold")
     assert warm == cold
     before = engine["run_metrics"]["unseeded_n3"]["vllm:prefix_cache_hits"]
@@ -209,16 +222,54 @@ def recompute_flips(model: Path, prompt: list[int], out: list[int], params: Samp
     return flips
 
 
-def test_seeded_and_unseeded_tokens_are_tokensampler_sample_of_each_steps_logits(engines, model):
+@pytest.mark.parametrize("tag", ["tp2", "tp2_shards"])
+def test_seeded_and_unseeded_tokens_are_tokensampler_sample_of_each_steps_logits(engines, model, tag):
     """At most one flip in 24 steps per request (the two forwards differ in float rounding)."""
     out, ranks = engines
-    engine = out["tp2"]
+    engine = out[tag]
     params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.1, seed=1234)
     alone = tokens(engine, "seeded_alone")[0][0]
     assert recompute_flips(model, PROMPT, alone, params) <= len(alone) // 24
-    seeds = seeds_of(ranks["tp2"])
+    seeds = seeds_of(ranks[tag])
     for prompt, rid, choices in zip(engine["prompts"]["unseeded"], engine["request_ids"]["unseeded"],
                                     tokens(engine, "unseeded")):
         (seed,) = [s for r, s in seeds.items() if r.startswith(f"{rid}-")]
         drawn = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
         assert recompute_flips(model, prompt, choices[0], drawn) <= len(choices[0]) // 24, rid
+    for prompt, rid, choices in zip(engine["prompts"]["unseeded_n3"], engine["request_ids"]["unseeded_n3"],
+                                    tokens(engine, "unseeded_n3")):
+        for index, choice in enumerate(choices):  # each child with the seed drawn for it
+            (seed,) = [s for r, s in seeds.items() if r.startswith(f"{index}_{rid}-")]
+            drawn = SamplingParams(temperature=1.0, top_p=0.9, seed=seed)
+            assert recompute_flips(model, prompt, choice, drawn) == 0, (rid, index)
+
+
+def test_the_shard_path_gives_the_gathered_paths_tokens_and_logprobs(engines):
+    """Every greedy and seeded request (unseeded ones draw other seeds in another engine)."""
+    out, _ = engines
+    gathered, shards = out["tp2"], out["tp2_shards"]
+    for run, rows in (("greedy", range(6)), ("seeded_alone", [0]), ("seeded_batch8", [1, 2, 3, 5, 6]),
+                      ("penalties_logprobs", [0, 2]), ("grammar", range(4))):
+        for row in rows:
+            want, got = gathered["runs"][run][row][0], shards["runs"][run][row][0]
+            assert got["token_ids"] == want["token_ids"], (run, row)
+            for wp, gp in zip(want["logprobs"] or (), got["logprobs"] or ()):
+                wd, gd = {i: (lp, r) for i, lp, r in wp}, {i: (lp, r) for i, lp, r in gp}
+                assert set(wd) == set(gd) and len(gd) >= 5
+                assert all(wd[i][1] == gd[i][1] and abs(wd[i][0] - gd[i][0]) <= 1e-4 for i in wd), (run, row)
+
+
+@pytest.mark.parametrize("tag", ["tp2", "tp2_shards"])
+def test_a_grammar_holds_on_both_paths(engines, model, tag):
+    """The structured-output bitmask (applied to each rank's own columns on the shard path) allows
+    only w1, w2, w3 and EOS in the grammar rows; the row without a grammar samples other ids too."""
+    from transformers import AutoTokenizer
+
+    out, _ = engines
+    engine = out[tag]
+    vocab = AutoTokenizer.from_pretrained(model).get_vocab()
+    allowed = {vocab["w1"], vocab["w2"], vocab["w3"], vocab["</s>"]}
+    rows = tokens(engine, "grammar")
+    for row in (0, 2, 3):
+        assert rows[row][0] and set(rows[row][0]) <= allowed, (row, rows[row][0])
+    assert not set(rows[1][0]) <= allowed

@@ -58,9 +58,14 @@ def _completion(output) -> dict:
 
 
 def _params(kw: dict) -> dict:
-    """SamplingParams kwargs from JSON (whose object keys are strings: logit_bias's ids)."""
+    """SamplingParams kwargs from JSON (whose object keys are strings: logit_bias's ids; a
+    `structured_outputs` object is `StructuredOutputsParams`' kwargs)."""
     if kw.get("logit_bias"):
         kw = {**kw, "logit_bias": {int(k): v for k, v in kw["logit_bias"].items()}}
+    if kw.get("structured_outputs"):
+        from vllm.sampling_params import StructuredOutputsParams
+
+        kw = {**kw, "structured_outputs": StructuredOutputsParams(**kw["structured_outputs"])}
     return kw
 
 

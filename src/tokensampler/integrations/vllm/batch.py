@@ -27,6 +27,7 @@ from ...core.output import LogprobsOutput
 from ...engine.batch_params import BatchSamplingParams
 from ...engine.generator import SamplingGenerator
 from .params import to_tokensampler
+from .shards import ShardLayout
 
 RequestLookup = Callable[[str], Any]  # request id -> vLLM's CachedRequestState
 LOG = logging.getLogger("tokensampler.integrations.vllm")
@@ -38,15 +39,21 @@ class BatchState:
     seed_source: the seeds of unseeded requests (None: fresh ones); the ranks of a tensor-parallel
     group pass the same source (`ranks.agreed_seed_source`) and admit the same requests in the same
     order, so they draw the same seeds.
+    shards: sample this rank's columns of the logits (`shards.ShardLayout`) over `group`, the
+    tensor-parallel group (the generator's vocabulary split: the same tokens on every rank, and
+    rank 0's seeds for unseeded requests); None: the whole rows, on this rank alone.
     """
 
     def __init__(self, lanes: int, vocab_size: int, device: torch.device | str, *, logprobs_mode: str,
-                 max_logprobs: int, seed_source: Callable[[], int] | None = None) -> None:
+                 max_logprobs: int, seed_source: Callable[[], int] | None = None,
+                 shards: ShardLayout | None = None, group: Any = None) -> None:
         self.lanes = lanes
         self.vocab_size = vocab_size
+        self.shards = shards
         self.generator = SamplingGenerator(vocab_size, max_batch_size=lanes, device=device,
                                            logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
-                                           seed_source=seed_source)
+                                           seed_source=seed_source, group=group,
+                                           padded_vocab_size=None if shards is None else shards.padded_vocab_size)
         self.held: list[str | None] = [None] * lanes  # the request id each slot holds
         self.seeds: dict[str, int] = {}  # request id -> effective seed (drawn for unseeded requests)
 
@@ -95,8 +102,11 @@ class BatchState:
                       "given" if p.seed is not None else "drawn")
 
     def sample(self, logits: torch.Tensor, record: Sequence[bool]) -> tuple[torch.Tensor, LogprobsOutput | None]:
-        """Sample row b of `logits` for slot b; only rows where `record` is True are counted and advanced."""
+        """Sample row b of `logits` for slot b; only rows where `record` is True are counted and advanced.
+        On shards, `logits` is this rank's `[B, Vp / tp]` slice, or whole rows it takes its columns of."""
         active = [b for b, keep in enumerate(record) if keep]
+        if self.shards is not None:
+            logits = self.shards.local(logits)
         # every row recorded: the generator's default (every occupied slot below B) is exactly them
         return self.generator.sample(logits, active_slots=None if len(active) == len(record) else active)
 

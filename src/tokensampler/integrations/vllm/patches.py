@@ -10,6 +10,10 @@
 - With speculative decoding, the runner's `rejection_sampler` becomes a `TokenSamplerRejectionSampler`
   around the same sampler: drafts are verified by tokensampler (match mode without draft
   probabilities, so speculation changes nothing but speed).
+- With tensor parallelism, on the shard path (`shards.py`): `GPUModelRunner.execute_model` runs
+  inside `shards.sharding(...)`, during which `LogitsProcessor._get_logits` leaves the LM head's
+  logits on their rank (no all-gather); the runner's `apply_grammar_bitmask` applies a
+  structured-output bitmask to a rank's own columns when the logits are a shard.
 - On a GPU, vLLM 0.32 picks its Model Runner V2 when Triton is importable; the plugin asks for the
   V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0` unless set) and refuses a V2 runner.
 """
@@ -31,10 +35,13 @@ def install() -> None:
     if _INSTALLED:
         return
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    import vllm.model_executor.layers.logits_processor as logits_module
     import vllm.v1.worker.gpu_input_batch as input_batch
     import vllm.v1.worker.gpu_model_runner as runner_module
 
+    from .ranks import tensor_parallel
     from .sampler import TokenSamplerSampler
+    from .shards import ShardLayout, apply_bitmask_to_shard, sharding, skip_gather
     from .speculative import TokenSamplerRejectionSampler
 
     runner_init = runner_module.GPUModelRunner.__init__
@@ -56,7 +63,33 @@ def install() -> None:
         self.generators.pop(row, None)
         return row
 
+    execute_model = runner_module.GPUModelRunner.execute_model
+
+    def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
+        sampler = self.sampler
+        layout = sampler.shard_layout() if isinstance(sampler, TokenSamplerSampler) else None
+        with sharding(layout):
+            return execute_model(self, *args, **kwargs)
+
+    get_logits = logits_module.LogitsProcessor._get_logits
+
+    def logits(self: Any, hidden_states: Any, lm_head: Any, embedding_bias: Any, skip: bool = False) -> Any:
+        return get_logits(self, hidden_states, lm_head, embedding_bias, skip or skip_gather(lm_head))
+
+    apply_bitmask = runner_module.apply_grammar_bitmask
+
+    def bitmask(scheduler_output: Any, grammar_output: Any, batch: Any, logits: Any) -> None:
+        tp = tensor_parallel() if logits.shape[-1] != batch.vocab_size else None
+        layout = None if tp is None else ShardLayout(tp.rank, tp.world_size, batch.vocab_size)
+        if layout is not None and logits.shape[-1] == layout.width:
+            apply_bitmask_to_shard(logits, batch.req_ids, grammar_output, layout)
+        else:
+            apply_bitmask(scheduler_output, grammar_output, batch, logits)
+
     runner_module.GPUModelRunner.__init__ = init
+    runner_module.GPUModelRunner.execute_model = execute
+    runner_module.apply_grammar_bitmask = bitmask
+    logits_module.LogitsProcessor._get_logits = logits
     input_batch.InputBatch.add_request = add
     _refuse_runner_v2()
     _INSTALLED = True

@@ -19,6 +19,7 @@ falls back to vLLM's own sampler: it samples nothing that is returned to a reque
 
 from __future__ import annotations
 
+import logging
 import weakref
 from typing import Any
 
@@ -34,6 +35,9 @@ from vllm.v1.sample.sampler import Sampler as VllmSampler
 from .batch import BatchState
 from .logprobs import to_vllm_logprobs
 from .ranks import agreed_seed_source, tensor_parallel
+from .shards import LogitsPath, ShardLayout, choose_path
+
+LOG = logging.getLogger("tokensampler.integrations.vllm")
 
 BUILTIN_PROCESSORS = (MinTokensLogitsProcessor, LogitBiasLogitsProcessor, MinPLogitsProcessor)
 
@@ -72,11 +76,23 @@ class TokenSamplerSampler(VllmSampler):
             config = runner.model_config
             vocab = config.get_vocab_size()
             max_logprobs = config.max_logprobs if config.max_logprobs >= 0 else vocab
-            # the ranks of a tensor-parallel group draw the same seeds for unseeded requests
-            state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
-                               max_logprobs=max_logprobs, seed_source=agreed_seed_source(tensor_parallel()))
+            tp = tensor_parallel()
+            path, why = choose_path(runner, 1 if tp is None else tp.world_size)
+            if path is LogitsPath.SHARDS:  # each rank samples its columns over the group: one split sampler
+                group = tp.device_group if torch.device(runner.device).type == "cuda" else tp.cpu_group
+                state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
+                                   max_logprobs=max_logprobs, shards=ShardLayout(tp.rank, tp.world_size, vocab),
+                                   group=group)
+            else:  # the ranks of a tensor-parallel group draw the same seeds for unseeded requests
+                state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
+                                   max_logprobs=max_logprobs, seed_source=agreed_seed_source(tp))
+            LOG.info("sampling on %s logits: %s", path.value, why)
             self._states = {id(batch): state}  # an older batch is gone for good
         return state
+
+    def shard_layout(self) -> ShardLayout | None:
+        """The columns this rank samples when its engine is on the shard path (None: whole rows)."""
+        return self.state().shards if self.runner() is not None else None
 
     def forward(self, logits: torch.Tensor, sampling_metadata: Any, predict_bonus_token: bool = False,
                 logprobs_mode_override: str | None = None) -> SamplerOutput:
