@@ -6,7 +6,11 @@ Opt in: the plugin is installed with this package (entry point group `vllm.gener
 
     VLLM_PLUGINS=tokensampler vllm serve MODEL ...
 
-vLLM loads general plugins in every process it starts; `register` is idempotent. When active, the
+vLLM loads general plugins in every process it starts; `register` is idempotent. A requested plugin
+first checks the installed vLLM: a major.minor other than `SUPPORTED_VLLM_VERSIONS` is refused with
+one `InvalidEnvironment` line, unless `TOKENSAMPLER_VLLM_ALLOW_UNSUPPORTED=1` (one warning line, then
+the hooks as usual). Speculative settings the plugin does not implement are refused when the model
+runner is built (`guard.py`). When active, the
 model runner's `sampler` becomes `sampler.TokenSamplerSampler` (a subclass of vLLM's `Sampler`), whose
 state (`batch.BatchState`: a `SamplingGenerator` over the persistent batch's rows) follows the
 engine's batch. See docs/vllm.md. vLLM is never a requirement of tokensampler: nothing here imports
@@ -17,8 +21,9 @@ from __future__ import annotations
 
 import os
 
+from .guard import ALLOW_UNSUPPORTED_ENV, SUPPORTED_VLLM, SUPPORTED_VLLM_VERSIONS
+
 PLUGIN_NAME = "tokensampler"
-SUPPORTED_VLLM = "0.32"
 
 
 def requested() -> bool:
@@ -28,7 +33,8 @@ def requested() -> bool:
 
 
 def register() -> None:
-    """The entry point vLLM calls in each of its processes: install the hooks when requested."""
+    """The entry point vLLM calls in each of its processes: install the hooks when requested (after
+    checking the installed vLLM's version, `guard.check_vllm_version`)."""
     if not requested():
         return
     from .patches import install
@@ -36,4 +42,5 @@ def register() -> None:
     install()
 
 
-__all__ = ["PLUGIN_NAME", "SUPPORTED_VLLM", "register", "requested"]
+__all__ = ["ALLOW_UNSUPPORTED_ENV", "PLUGIN_NAME", "SUPPORTED_VLLM", "SUPPORTED_VLLM_VERSIONS", "register",
+           "requested"]

@@ -1,5 +1,8 @@
 """The hooks the vLLM plugin installs (once per process, idempotent).
 
+- Before anything is hooked, the installed vLLM's version (`vllm.__version__`, read at install
+  time) is checked (`guard.check_vllm_version`): another major.minor than the supported ones is
+  refused unless `TOKENSAMPLER_VLLM_ALLOW_UNSUPPORTED=1`, which logs one warning line.
 - `GPUModelRunner.__init__` (the CPU runner inherits it): after vLLM builds the runner, its `sampler`
   is replaced by a `TokenSamplerSampler` bound to the runner, which warms up at once (the state of
   the persistent batch is made, and with it `Sampler.warmup` runs), so no request waits on a compile.
@@ -9,7 +12,9 @@
   generator does not support.
 - With speculative decoding, the runner's `rejection_sampler` becomes a `TokenSamplerRejectionSampler`
   around the same sampler: drafts are verified by tokensampler (match mode without draft
-  probabilities, so speculation changes nothing but speed).
+  probabilities, so speculation changes nothing but speed). A speculative config whose acceptance
+  rule the plugin does not implement (`rejection_sample_method` 'synthetic' or 'block') is refused
+  when the runner is built (`guard.check_speculative_config`).
 - With tensor parallelism, on the shard path (`shards.py`): `GPUModelRunner.execute_model` runs
   inside `shards.sharding(...)`, during which `LogitsProcessor._get_logits` leaves the LM head's
   logits on their rank (no all-gather); the runner's `apply_grammar_bitmask` applies a
@@ -21,11 +26,14 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 from typing import Any
 
 from ...core.errors import InvalidEnvironment
+from .guard import ALLOW_UNSUPPORTED_ENV, check_speculative_config, check_vllm_version
 
+LOG = logging.getLogger("tokensampler.integrations.vllm")
 _INSTALLED = False
 
 
@@ -34,6 +42,11 @@ def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    import vllm
+
+    warning = check_vllm_version(vllm.__version__, os.environ.get(ALLOW_UNSUPPORTED_ENV))
+    if warning is not None:
+        LOG.warning(warning)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     import vllm.model_executor.layers.logits_processor as logits_module
     import vllm.v1.worker.gpu_input_batch as input_batch
@@ -48,6 +61,7 @@ def install() -> None:
 
     def init(self: Any, *args: Any, **kwargs: Any) -> None:
         runner_init(self, *args, **kwargs)
+        check_speculative_config(self.speculative_config)
         sampler = TokenSamplerSampler(logprobs_mode=self.model_config.logprobs_mode,
                                       use_fp64_gumbel=getattr(self.model_config, "use_fp64_gumbel", False))
         sampler.bind(self)

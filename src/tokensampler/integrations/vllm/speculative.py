@@ -8,7 +8,9 @@ persistent batch's `SamplingGenerator` verifies them (`sample_speculative`, docs
 match mode for drafts without probabilities (n-gram and other proposers: the emitted tokens are
 exactly the tokens tokensampler gives without speculation), rejection mode with the draft's
 probabilities. The output is vLLM's: `[B, K+1]` int32 token ids with -1 after the emitted ones, and
-logprobs for every position (vLLM keeps those of the emitted tokens).
+logprobs for every position (vLLM keeps those of the emitted tokens). This is vLLM's
+`rejection_sample_method='standard'`; its other acceptance rules ('synthetic', 'block') are refused
+before the runner gets this sampler (`guard.check_speculative_config`).
 """
 
 from __future__ import annotations
