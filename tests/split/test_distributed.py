@@ -87,6 +87,62 @@ def test_split_equals_unsplit_sampler_threads(world):
     assert not failures, "\n".join(failures[:10])
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_split_equals_the_reference_on_slices_wider_than_the_top_p_candidates(world):
+    """Slices of 1,000+ columns: top-p bisects on each rank's 256 largest values, and sorts the
+    slice in the steps whose candidates fall short of the bound (flat rows): both token for token."""
+    failures = []
+    for m, mode in enumerate(dc.MODES):
+        case = dc.make_case(31 * world + m, 3001, 3003 if world == 3 else 3002, mode, steps=2, rows=6)
+        label = f"threads w{world} V3001 {mode}"
+        for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
+                case, ex, label, with_reference=True)):
+            failures += rank_failures
+    assert not failures, "\n".join(failures[:10])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_top_p_on_wide_slices_flat_and_peaked_rows_equals_the_unsplit_sampler(world):
+    """Flat rows (the candidates hold less than the bound: the slice is sorted), peaked rows (the
+    candidates decide), ties, with top-p alone and with top-k / min-p: the unsplit sampler's tokens."""
+    vocab, padded = 3001, 3003 if world == 3 else 3002
+    gen = torch.Generator().manual_seed(world)
+    scales = [0.3, 1.0, 3.0, 8.0, 1.0, 0.3, 8.0, 3.0]
+    logits = torch.stack([torch.randn(padded, generator=gen) * s for s in scales])
+    logits[4] = torch.round(logits[4] * 2) / 2  # ties
+    params = [SamplingParams(seed=10 + b, top_p=tp, temperature=t, top_k=k, min_p=mp)
+              for b, (tp, t, k, mp) in enumerate([(0.9, 1.0, 0, 0.0), (0.5, 0.7, 0, 0.0), (0.99, 1.0, 0, 0.0),
+                                                  (0.9, 0.8, 0, 0.0), (0.7, 1.0, 0, 0.0), (0.95, 1.3, 500, 0.0),
+                                                  (0.3, 1.0, 0, 0.001), (0.8, 1.0, 40, 0.0)])]
+    whole = Sampler(vocab, max_slots=len(params), padded_vocab_size=padded)
+    for b, p in enumerate(params):
+        whole.add_request(b, p, [0, 1])
+    want = whole.sample(logits).token_ids.tolist()
+    width = padded // world
+
+    def run(ex):
+        sampler = Sampler(vocab, max_slots=len(params), padded_vocab_size=padded, group=ex)
+        for b, p in enumerate(params):
+            sampler.add_request(b, p, [0, 1])
+        return sampler.sample(logits[:, ex.rank * width:(ex.rank + 1) * width]).token_ids.tolist()
+
+    assert dc.run_threads(world, run) == [want] * world
+
+
+def test_candidate_mass_is_exact_at_and_above_its_floor_and_a_lower_bound_below():
+    gen = torch.Generator().manual_seed(5)
+    z = torch.round(torch.randn(4, 500, generator=gen) * 3) / 2  # ties, also at the floor
+    p = torch.exp(z - z.amax(-1, keepdim=True))
+    full, cand = sel.MassAbove(z, p), sel.CandidateMass(z, p, 40)
+    pivots = torch.sort(torch.cat([z[:, :60], z[:, :60] - 0.25], dim=-1), dim=-1).values
+    exact, bounded = full.at(pivots), cand.at(pivots)
+    above = pivots >= cand.floor[:, None]
+    assert above.any() and (~above).any()
+    assert torch.allclose(bounded[above], exact[above], rtol=1e-12, atol=0)
+    assert (bounded[~above] <= exact[~above] + 1e-12).all()
+    assert torch.allclose(cand.total(), full.total(), rtol=1e-12)
+
+
 def test_top_p_threshold_is_exact_on_adjacent_floats_and_ties():
     """Values one ulp apart and tie groups: the bisection must end on exactly the reference's set."""
     vocab = padded = 64
@@ -145,24 +201,33 @@ def test_bytes_and_collectives_per_step_do_not_grow_with_the_vocabulary():
     params = [SamplingParams(seed=1, top_k=5, top_p=0.9, min_p=0.01, logprobs=3, repetition_penalty=1.2),
               SamplingParams(seed=2, temperature=0.0, logprobs=0), SamplingParams(seed=3, top_p=0.5)]
 
-    def measure(vocab):
+    def measure(vocab, scale):
         def run(ex):
             sampler = Sampler(vocab, max_slots=3, padded_vocab_size=vocab + 2, group=ex)
             for b, p in enumerate(params):
                 sampler.add_request(b, p, [0, 1])
             width = (vocab + 2) // 2
-            logits = torch.randn(3, vocab + 2, generator=torch.Generator().manual_seed(vocab))
+            logits = scale * torch.randn(3, vocab + 2, generator=torch.Generator().manual_seed(vocab))
             ex.reset_counters()
             sampler.sample(logits[:, ex.rank * width:(ex.rank + 1) * width])
             return ex.calls, ex.bytes_sent, ex.bytes_received
         return dc.run_threads(2, run)
 
-    small, large = measure(200), measure(20000)
+    # check, summaries, top-k, top-p, winner, logprobs
+    base = 1 + 1 + 1 + sel.bisection_rounds(255) + 1 + 1
+    # peaked rows: each rank's 256 top-p candidates hold the bound, whatever the width (or the
+    # whole slice is sorted when narrower than that: one column less in the first round)
+    small, large = measure(2000, 8.0), measure(20000, 8.0)
     assert small == large
     calls, sent, received = small[0]
-    assert calls == 1 + 1 + 1 + sel.bisection_rounds(255) + 1 + 1  # check, summaries, top-k, top-p, winner, logprobs
+    assert calls == base
     assert received == sent  # world 2
     assert sent < 3 * (4 * 256 * 8 + 64)  # a few KiB per row, nothing of width V
+    # flat rows: the candidates fall short of the bound and the round is redone on sorted slices,
+    # one extra all-gather of the same size, whatever the width
+    flat_small, flat_large = measure(2000 * 5, 1.0), measure(20000, 1.0)
+    assert flat_small == flat_large and flat_small[0][0] == base + 1
+    assert flat_small[0][1] < sent + 3 * 256 * 8
 
 
 def test_errors_threads():

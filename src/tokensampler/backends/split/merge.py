@@ -117,6 +117,46 @@ class MassAbove:
         return self.suffix.gather(-1, index)
 
 
+class CandidateMass:
+    """A rank's float64 mass of kept ids strictly above any pivot, from its `count` largest values
+    only (a top-k pass instead of a sort of the slice): exact for a pivot at or above `floor`, the
+    smallest candidate (every other id is at most `floor`, so not above such a pivot); below
+    `floor` the value given is the candidates' total, a lower bound (every candidate is above the
+    pivot). `total` is the float64 sum of every kept p of the slice."""
+
+    def __init__(self, z: torch.Tensor, p: torch.Tensor, count: int) -> None:
+        values, order = torch.topk(z, count, dim=-1)  # descending
+        self.sorted_z = values.flip(-1)
+        p_sorted = p.gather(-1, order.flip(-1)).to(torch.float64)
+        suffix = torch.flip(torch.cumsum(torch.flip(p_sorted, [-1]), -1), [-1])
+        self.suffix = torch.nn.functional.pad(suffix, (0, 1))
+        self.floor = self.sorted_z[:, 0]
+        self.total_mass = p.to(torch.float64).sum(dim=-1)
+
+    def total(self) -> torch.Tensor:
+        return self.total_mass
+
+    def at(self, pivots: torch.Tensor) -> torch.Tensor:
+        """pivots float32 [B, P] -> float64 [B, P]: the mass above each pivot (exact at or above
+        `floor`, the candidates' total below it)."""
+        index = torch.searchsorted(self.sorted_z, pivots.contiguous(), right=True)
+        return self.suffix.gather(-1, index)
+
+
+def bisection_below(mass: torch.Tensor, bound: torch.Tensor, pivots: torch.Tensor,
+                    floors: torch.Tensor | None) -> torch.Tensor | None:
+    """Per (row, pivot): is the global mass above the pivot `< bound`? `mass` [B, P] is the sum of
+    the ranks' values; `floors` [W, B] the ranks' candidate floors (None: every value exact). A
+    pivot below some rank's floor has a lower bound only: it decides "not below" when the bound
+    is reached anyway. Returns None when some comparison is left undecided (the exact masses are
+    then needed)."""
+    below = mass < bound[:, None]
+    if floors is None:
+        return below
+    inexact = (pivots.to(torch.float64)[None, :, :] < floors[:, :, None]).any(dim=0)
+    return None if bool((below & inexact).any()) else below
+
+
 def bisection_rounds(pivots: int) -> int:
     """Rounds after which a key interval of width < 2^32 is down to width 1 with `pivots` per round."""
     rounds, width = 0, 2**32

@@ -35,6 +35,9 @@ from ..native import masking, penalties
 from . import merge as sel
 
 DEFAULT_TOP_P_PIVOTS = 255
+# top-p first bisects on each rank's 256 largest values (a top-k pass); the whole slice is sorted
+# only in a step whose candidates together hold less than the top-p bound (flat rows)
+DEFAULT_TOP_P_CANDIDATES = 256
 
 
 def _f64(*columns: torch.Tensor) -> torch.Tensor:
@@ -54,6 +57,10 @@ def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, pl
     st = split.state
     z = logits.to(torch.float32, copy=True)
     z.masked_fill_(torch.isnan(z) | split.padding[None, :], NEG_INF)
+    edits = (plan.allowed_ids or token_bitmask is not None or (plan.bad_words and st.bad_words is not None)
+             or (plan.min_tokens and st.stop_mask is not None) or plan.logit_bias or plan.penalties)
+    if not edits:  # nothing below changes z: the raw rows are the same tensor
+        return z, z
     raw = z.clone()
     if plan.allowed_ids:
         z.masked_fill_(~st.allowed_mask[index], NEG_INF)
@@ -78,22 +85,53 @@ def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, pl
 def _top_p_threshold(split: SplitStep, zs: torch.Tensor, p: torch.Tensor, z_max: torch.Tensor,
                      top_p: torch.Tensor) -> torch.Tensor:
     """The smallest kept z whose float64 mass of strictly larger kept z is < top_p * total, found by
-    bisection over the ordered float32 keys; `split.top_p_rounds` all-gathers of [S, P]."""
-    table = sel.MassAbove(zs, p)
+    bisection over the ordered float32 keys; `split.top_p_rounds` all-gathers of [S, P].
+
+    Each rank first answers from its `split.top_p_candidates` largest values (`CandidateMass`: a
+    top-k pass, no sort); a round in which some comparison needs more than the candidates give (the
+    ranks' candidates together hold less than the bound, as in flat rows) is evaluated again, from
+    then on, with every rank's whole slice sorted (`MassAbove`): the same threshold either way."""
+    count = split.top_p_candidates
+    table: sel.MassAbove | sel.CandidateMass = (sel.CandidateMass(zs, p, count) if 0 < count < zs.shape[-1]
+                                                else sel.MassAbove(zs, p))
     lo = torch.full_like(z_max, KEY_NEG_INF, dtype=torch.int64)
     hi = order_key(z_max)
-    bound = None
+    bound, floors = None, None
     for round_index in range(split.top_p_rounds):
         pivots = sel.bisection_pivots(lo, hi, split.top_p_pivots)
-        local = table.at(key_to_float(pivots))
+        values = key_to_float(pivots)
+        local = table.at(values)
         if round_index == 0:
-            local = torch.cat([local, table.total()[:, None]], dim=-1)
-        mass = split.exchange.all_gather(local).sum(dim=0)
-        if round_index == 0:
-            bound = top_p * mass[:, -1]
-            mass = mass[:, :-1]
-        lo, hi = sel.bisection_step(lo, hi, pivots, mass < bound[:, None])
+            extra = [table.total()[:, None]]
+            if isinstance(table, sel.CandidateMass):
+                extra.append(table.floor.to(torch.float64)[:, None])
+            gathered = split.exchange.all_gather(torch.cat([local, *extra], dim=-1))
+            bound = top_p * gathered[..., local.shape[-1]].sum(dim=0)
+            if isinstance(table, sel.CandidateMass):
+                floors = gathered[..., local.shape[-1] + 1]
+            mass = gathered[..., :local.shape[-1]].sum(dim=0)
+        else:
+            mass = split.exchange.all_gather(local).sum(dim=0)
+        below = sel.bisection_below(mass, bound, values, floors)
+        if below is None:  # on every rank alike (gathered values): the exact masses from here on
+            table, floors = sel.MassAbove(zs, p), None
+            below = split.exchange.all_gather(table.at(values)).sum(dim=0) < bound[:, None]
+        lo, hi = sel.bisection_step(lo, hi, pivots, below)
     return key_to_float(hi)
+
+
+def _scores(zs: torch.Tensor, keys: torch.Tensor, global_ids: torch.Tensor) -> torch.Tensor:
+    """`zs + g` at the kept ids (-inf elsewhere), g the Gumbel noise of (row key, global id): the
+    noise is computed only where an id is kept (after top-k / top-p / min-p a few per row), or on
+    the whole slice when most ids are kept. The same values either way."""
+    kept = ~torch.isneginf(zs)
+    if int(kept.sum()) * 4 > kept.numel():
+        score = zs + rng.gumbel_from_bits(rng.random_bits(keys[:, None], global_ids[None, :]))
+        return score.masked_fill_(~kept, NEG_INF)
+    rows, columns = kept.nonzero(as_tuple=True)
+    score = torch.full_like(zs, NEG_INF)
+    score[rows, columns] = zs[rows, columns] + rng.gumbel_from_bits(rng.random_bits(keys[rows], global_ids[columns]))
+    return score
 
 
 def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,
@@ -136,7 +174,7 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
     # summaries of the raw and processed rows: max and its first id (+ sum-exp, #+inf for log-probs)
     mode = split.logprobs_mode if plan.wants_logprobs else None
     z_max_local, z_id_local = sel.local_max_and_id(z, offset)
-    raw_max_local, raw_id_local = sel.local_max_and_id(raw, offset)
+    raw_max_local, raw_id_local = (z_max_local, z_id_local) if raw is z else sel.local_max_and_id(raw, offset)
     raw_at_z = raw.gather(-1, (z_id_local - offset)[:, None]).squeeze(-1)
     columns = [_f64(raw_id_local, z_id_local, raw_at_z, raw_max_local, z_max_local)]
     if mode == "raw_logprobs":
@@ -149,7 +187,8 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
     raw_posinf, z_posinf = raw_max == POS_INF, z_max == POS_INF
     valid = z_max > NEG_INF
     tokens = torch.where(valid, greedy_token, raw_token)
-    z = saturate_posinf(z, z_posinf)
+    if bool(z_posinf.any()):  # (a host read: the split step reads gathered numbers on the host anyway)
+        z = saturate_posinf(z, z_posinf)
     z_max_sat = torch.where(z_posinf, torch.zeros_like(z_max), z_max).to(torch.float32)
     greedy_owner = sel.owner_of(g1[..., 1].to(torch.int64), greedy_token)
     raw_at_token = torch.where(valid, sel.pick_rank(g1[..., 2], greedy_owner), raw_max)
@@ -170,14 +209,14 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
         tokens[rows] = torch.where(emptied, raw_token[rows], tokens[rows])
         raw_at_token[rows] = torch.where(emptied, raw_max[rows], raw_at_token[rows])
         final_at_token[rows] = torch.where(emptied, NEG_INF, final_at_token[rows])
-        zs = saturate_posinf(zs, row_max == POS_INF)
+        if bool((row_max == POS_INF).any()):
+            zs = saturate_posinf(zs, row_max == POS_INF)
         row_max = torch.where(row_max == POS_INF, torch.zeros_like(row_max), row_max)
         row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # bad rows
         zs = _filter(split, zs, row_max, slots, plan, max(row_params[b].top_k for b in plan.sampled_rows))
         # the Gumbel winner, noise keyed by the global id
-        keys = rng.row_key(st.seed[slots], st.position[slots], st.stream[slots])[:, None]
-        score = zs + rng.gumbel_from_bits(rng.random_bits(keys, split.global_ids[None, :]))
-        score.masked_fill_(torch.isneginf(zs), NEG_INF)
+        keys = rng.row_key(st.seed[slots], st.position[slots], st.stream[slots])
+        score = _scores(zs, keys, split.global_ids)
         best_local, best_id_local = sel.local_max_and_id(score, offset)
         column = (best_id_local - offset)[:, None]
         winners = [_f64(best_local, best_id_local, raw[rows].gather(-1, column).squeeze(-1),
@@ -245,12 +284,15 @@ def _logprobs(split: SplitStep, keys: torch.Tensor, token_key: torch.Tensor, lse
 
 class SplitStep:
     """The split step of one `Sampler`'s slice state: `run(logits, plan, record) -> SamplerOutput`,
-    the same on every rank of the exchange."""
+    the same on every rank of the exchange. `top_p_pivots`: pivots per bisection round;
+    `top_p_candidates`: the largest values per row and rank top-p bisects on before it sorts the
+    slice (0: always sort). Neither changes a token."""
 
     capturable = False  # its agreement and its bisection read gathered numbers on the host
 
     def __init__(self, state: SamplerState, logprobs_mode: str, exchange: Exchange,
-                 top_p_pivots: int = DEFAULT_TOP_P_PIVOTS) -> None:
+                 top_p_pivots: int = DEFAULT_TOP_P_PIVOTS,
+                 top_p_candidates: int = DEFAULT_TOP_P_CANDIDATES) -> None:
         layout = state.layout
         self.state = state
         self.logprobs_mode = logprobs_mode
@@ -262,6 +304,7 @@ class SplitStep:
         self.real_width = layout.real_width
         self.top_p_pivots = top_p_pivots
         self.top_p_rounds = sel.bisection_rounds(top_p_pivots)
+        self.top_p_candidates = top_p_candidates
         self.global_ids = layout.global_ids(self.device)
         self.padding = self.global_ids >= self.vocab_size
 
