@@ -1,6 +1,7 @@
 """End-to-end `LLM.generate` throughput of vLLM's CPU engine with and without the tokensampler plugin.
 
     python benchmarks/vllm_cpu.py [--rounds 3] [--repeats 3] [--json benchmarks/vllm_cpu.json]
+    python benchmarks/vllm_cpu.py --tp 2 [...]     (two tensor-parallel ranks: benchmarks/vllm_cpu_tp.py)
 
 The model is a locally built 2-layer Llama (hidden 128, head size 64) with a 151,936-token
 vocabulary whose output layer is drawn with std 0.35, so its logits have an LLM-like spread (std
@@ -187,6 +188,16 @@ def format_table(summary: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--tp" in argv:  # the tensor-parallel arms: vLLM's sampler, the plugin gathered and on shards
+        sys.path.insert(0, str(Path(__file__).parent))
+        import vllm_cpu_tp
+
+        at = argv.index("--tp")
+        if argv[at + 1:at + 2] != [str(vllm_cpu_tp.TP)]:
+            print(f"--tp: only {vllm_cpu_tp.TP} ranks are benchmarked (two cores)", file=sys.stderr)
+            return 2
+        return vllm_cpu_tp.main(argv[:at] + argv[at + 2:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--case", dest="cases", action="append", choices=sorted(CASES), default=None)

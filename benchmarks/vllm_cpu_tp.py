@@ -12,8 +12,9 @@ to its own core. Arms run one engine at a time (three tensor-parallel engines wo
 cores); each round runs every arm once, the arm order rotating from round to round so that a slow
 spell of the shared machine does not always fall on the same arm. Per arm and case: tokens per
 second (the median generate of a round, then the median over rounds), and measured inside rank
-0's worker, per decode step: the model forward, the sampler call (vLLM's, or the plugin's whole
-`forward`), and the bytes the rank moves for sampling: the logits all-gather's payload (vLLM's
+0's worker, per decode step: the model forward, the LM head with vLLM's logits all-gather
+(`compute_logits`; on the shard path the head alone), the sampler call (vLLM's, or the plugin's
+whole `forward`), and the bytes the rank moves for sampling: the logits all-gather's payload (vLLM's
 sampler and the gathered path: the rank's `[B, Vp / 2]` fp32 slice sent, the other slice
 received) or, on the shard path, the collectives of tokensampler's vocabulary split (counted by
 its `Exchange`). The tokens of the two plugin arms are compared.
@@ -49,7 +50,7 @@ def _install_timers(worker) -> None:
     import time as clock
 
     runner = worker.model_runner
-    runner.bench_timings = {"forward": [], "sampler": []}
+    runner.bench_timings = {"forward": [], "logits": [], "sampler": []}
 
     def timed(name, fn):
         def wrapper(*args, **kwargs):
@@ -60,6 +61,7 @@ def _install_timers(worker) -> None:
         return wrapper
 
     runner.model.forward = timed("forward", runner.model.forward)
+    runner.model.compute_logits = timed("logits", runner.model.compute_logits)  # LM head + all-gather
     runner.sampler.forward = timed("sampler", runner.sampler.forward)
 
 
@@ -143,6 +145,7 @@ def summarise(rounds: list[dict], cases: list[str]) -> dict:
             steps = [len(run["sampler"]) for run in runs]
             row = {"tokens_per_s": statistics.median(per_round),
                    "forward_ms": 1e3 * statistics.median(t for run in runs for t in _decode(run["forward"])),
+                   "logits_ms": 1e3 * statistics.median(t for run in runs for t in _decode(run["logits"])),
                    "sampler_ms": 1e3 * statistics.median(t for run in runs for t in _decode(run["sampler"])),
                    "steps": statistics.median(steps)}
             if runs[0]["exchange"] is not None:
@@ -161,7 +164,7 @@ def summarise(rounds: list[dict], cases: list[str]) -> dict:
 
 
 def format_table(summary: dict) -> str:
-    lines = ["| case | arm | tok/s | / vLLM | forward ms | sampler ms | sampler / vLLM's | bytes moved per step "
+    lines = ["| case | arm | tok/s | / vLLM | forward ms | LM head + gather ms | sampler ms | bytes moved per step "
              "and rank | collectives per step | tokens = gathered |", "|---|---|---|---|---|---|---|---|---|---|"]
     for case, rows in summary.items():
         base = rows["vllm"]
@@ -170,7 +173,7 @@ def format_table(summary: dict) -> str:
             same = "" if arm == "vllm" else ("yes" if rows["shards_equal_gathered"] else "NO")
             lines.append(f"| {case} | {arm} | {row['tokens_per_s']:.0f} | "
                          f"{row['tokens_per_s'] / base['tokens_per_s']:.2f}x | {row['forward_ms']:.1f} | "
-                         f"{row['sampler_ms']:.1f} | {base['sampler_ms'] / row['sampler_ms']:.1f}x | "
+                         f"{row['logits_ms']:.1f} | {row['sampler_ms']:.1f} | "
                          f"{row['bytes_per_step'] / 1e3:,.1f} kB | {row['collectives_per_step']:.1f} | {same} |")
     return "\n".join(lines)
 

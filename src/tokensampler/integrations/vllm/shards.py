@@ -10,10 +10,13 @@ token (and logprobs) the unsplit sampler returns on the gathered logits, moving 
 row instead of the logits.
 
 The path is chosen once per engine, when the sampler's state is made (`choose_path`): the shard
-path whenever the engine has more than one tensor-parallel rank, unless something needs the
-whole logits row on one rank: speculative decoding (the draft verification takes the gathered
-logits), vLLM's custom logits processors (they edit whole rows), `VLLM_COMPUTE_NANS_IN_LOGITS`
-(counted on whole rows), a pooling model, or `TOKENSAMPLER_VLLM_LOGITS=gathered`. Prompt logprobs
+path when `TOKENSAMPLER_VLLM_LOGITS=shards` and the engine has more than one tensor-parallel rank,
+unless something needs the whole logits row on one rank: speculative decoding (the draft
+verification takes the gathered logits), vLLM's custom logits processors (they edit whole rows),
+`VLLM_COMPUTE_NANS_IN_LOGITS` (counted on whole rows), a pooling model. The default is the
+gathered path: the split sampler moves a few numbers per row instead of the logits, but its step
+is plain torch (no fused fast path, no Triton mirror) and costs more than the gathered step saves
+on the all-gather for sampled rows on the CPU engine measured (docs/vllm.md). Prompt logprobs
 are computed by vLLM from logits it gathers for them; they are not affected. A structured-output
 bitmask is applied to each rank's own columns (`apply_bitmask_to_shard`).
 
@@ -90,12 +93,12 @@ class ShardLayout:
 
 
 def requested_path() -> LogitsPath:
-    """`TOKENSAMPLER_VLLM_LOGITS`: "shards" (the default) or "gathered"; anything else is refused."""
-    value = os.environ.get(LOGITS_ENV, LogitsPath.SHARDS.value)
+    """`TOKENSAMPLER_VLLM_LOGITS`: "gathered" (the default) or "shards"; anything else is refused."""
+    value = os.environ.get(LOGITS_ENV, LogitsPath.GATHERED.value)
     try:
         return LogitsPath(value)
     except ValueError:
-        raise InvalidEnvironment(LOGITS_ENV, value, "'shards' (default) or 'gathered'") from None
+        raise InvalidEnvironment(LOGITS_ENV, value, "'gathered' (default) or 'shards'") from None
 
 
 def choose_path(runner: Any, world_size: int) -> tuple[LogitsPath, str]:
@@ -113,7 +116,7 @@ def choose_path(runner: Any, world_size: int) -> tuple[LogitsPath, str]:
     custom = [p for p in (processors.all if processors is not None else ()) if not isinstance(p, builtin)]
     reasons = [
         (world_size <= 1, "one tensor-parallel rank"),
-        (requested is LogitsPath.GATHERED, f"{LOGITS_ENV}=gathered"),
+        (requested is LogitsPath.GATHERED, f"{LOGITS_ENV}=gathered (the default)"),
         (runner.speculative_config is not None, "speculative decoding verifies drafts on gathered logits"),
         (bool(custom), "custom logits processors edit whole rows"),
         (bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS), "VLLM_COMPUTE_NANS_IN_LOGITS counts NaNs in whole rows"),
