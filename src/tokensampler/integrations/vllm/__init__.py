@@ -10,10 +10,11 @@ vLLM loads general plugins in every process it starts; `register` is idempotent.
 first checks the installed vLLM: a major.minor other than `SUPPORTED_VLLM_VERSIONS` is refused with
 one `InvalidEnvironment` line, unless `TOKENSAMPLER_VLLM_ALLOW_UNSUPPORTED=1` (one warning line, then
 the hooks as usual). Speculative settings the plugin does not implement are refused when the model
-runner is built (`guard.py`). When active, the
-model runner's `sampler` becomes `sampler.TokenSamplerSampler` (a subclass of vLLM's `Sampler`), whose
-state (`batch.BatchState`: a `SamplingGenerator` over the persistent batch's rows) follows the
-engine's batch. See docs/vllm.md. vLLM is never a requirement of tokensampler: nothing here imports
+runner is built (`guard.py`). When active, the model runner's `sampler` becomes
+`sampler.TokenSamplerSampler` (a subclass of vLLM's `Sampler`), whose state (`batch.BatchState`: a
+`SamplingGenerator` over the persistent batch's rows) follows the engine's batch. With tensor
+parallelism the ranks draw the same seeds (`ranks.py`) and, opted in, sample their own logits
+columns (`shards.py`). See docs/vllm.md. vLLM is never a requirement of tokensampler: nothing here imports
 it before `register` runs.
 """
 

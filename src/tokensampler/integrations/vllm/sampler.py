@@ -9,7 +9,8 @@ A subclass of vLLM's `Sampler`, so the runner's other uses of it (prompt logprob
    tokensampler implements itself) are applied to the logits; the structured-output bitmask was
    applied by the runner before the call;
 3. every row is sampled by the `SamplingGenerator`; rows vLLM will discard (a prefill chunk that is
-   not the last) are sampled but neither counted nor advanced;
+   not the last) are sampled but neither counted nor advanced; on the shard path (`shards.py`) the
+   logits are this rank's columns and the generator is split over the tensor-parallel group;
 4. the tokens, and the logprobs in vLLM's layout (`logprobs.py`), are returned as vLLM's
    `SamplerOutput`.
 
