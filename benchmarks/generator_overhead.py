@@ -19,8 +19,7 @@ import time
 import torch
 
 from tokensampler import Sampler, SamplingParams
-from tokensampler.batch_params import BatchSamplingParams
-from tokensampler.generator import SamplingGenerator
+from tokensampler.engine import BatchSamplingParams, SamplingGenerator
 
 
 def main() -> None:

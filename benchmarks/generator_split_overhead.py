@@ -23,8 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from tokensampler import Sampler, SamplingParams
-from tokensampler.batch_params import BatchSamplingParams
-from tokensampler.generator import SamplingGenerator
+from tokensampler.engine import BatchSamplingParams, SamplingGenerator
 
 
 def _rank(rank: int, world: int, init: str, out: str, args: argparse.Namespace) -> None:

@@ -23,8 +23,8 @@ from tokensampler.engine.batch_params import (
     scatter_sampling_params_to_slots,
     slice_sampling_params,
 )
+from tokensampler.engine.generator import SamplingGenerator, StaleSamplingState, TraceMismatch, rank_local_slot_remap
 from tokensampler.engine.seeds import check_slot_remap
-from tokensampler.generator import SamplingGenerator, StaleSamplingState, TraceMismatch, rank_local_slot_remap
 
 V = 64
 SP = SamplingParams

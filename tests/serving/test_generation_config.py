@@ -14,8 +14,8 @@ from tokensampler import InvalidSamplingParams, SamplingParams
 from tokensampler.serving.generation_config import (
     ACCEPTED_FIELDS,
     NEUTRAL_DEFAULTS,
-    GenerationConfigError,
     GenerationDefaults,
+    InvalidCheckpoint,
     InvalidRequest,
     load_generation_defaults,
     resolve_request,
@@ -184,7 +184,7 @@ def test_override_is_applied_last(checkpoint):
                                            ('{"top_k": ', "<json>"), ("[1, 2]", "<json>"),
                                            ({"eos_token_id": 3}, "eos_token_id")])
 def test_bad_override_names_the_key(checkpoint, override, key):
-    with pytest.raises(GenerationConfigError) as err:
+    with pytest.raises(InvalidCheckpoint) as err:
         load_generation_defaults(checkpoint, override=override)
     assert err.value.field == key
     assert "--override-generation-config" in str(err.value)
@@ -196,7 +196,7 @@ def test_bad_override_names_the_key(checkpoint, override, key):
                                         ("max_new_tokens", 0), ("eos_token_id", "2"), ("eos_token_id", [2, -1])])
 def test_bad_value_names_file_and_key(tmp_path, key, value):
     path = write(tmp_path, "generation_config.json", {key: value})
-    with pytest.raises(GenerationConfigError) as err:
+    with pytest.raises(InvalidCheckpoint) as err:
         load_generation_defaults(tmp_path)
     assert isinstance(err.value, ValueError)
     assert err.value.field == key and err.value.value == value and err.value.allowed
@@ -206,14 +206,14 @@ def test_bad_value_names_file_and_key(tmp_path, key, value):
 @pytest.mark.parametrize("text", ['{"temperature": 0.6,', "[]", "not json"])
 def test_malformed_json_names_the_file(tmp_path, text):
     path = write(tmp_path, "generation_config.json", text)
-    with pytest.raises(GenerationConfigError) as err:
+    with pytest.raises(InvalidCheckpoint) as err:
         load_generation_defaults(tmp_path)
     assert str(path) in str(err.value)
 
 
 def test_malformed_config_json_fallback_names_it(tmp_path):
     path = write(tmp_path, "config.json", '{"top_k": 20')
-    with pytest.raises(GenerationConfigError, match="config.json"):
+    with pytest.raises(InvalidCheckpoint, match="config.json"):
         load_generation_defaults(tmp_path)
     assert path.exists()
 

@@ -51,7 +51,6 @@ NEUTRAL_DEFAULTS: dict[str, float | int] = {
 
 
 # A generation config (file or override) that cannot be used; `.source` names the file.
-GenerationConfigError = InvalidCheckpoint
 
 
 @dataclass(frozen=True)
@@ -87,17 +86,17 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
-        raise GenerationConfigError(str(path), "<file>", str(exc), "a readable JSON file") from exc
+        raise InvalidCheckpoint(str(path), "<file>", str(exc), "a readable JSON file") from exc
     except UnicodeDecodeError as exc:
-        raise GenerationConfigError(str(path), "<file>", f"byte {exc.start}: {exc.reason}",
+        raise InvalidCheckpoint(str(path), "<file>", f"byte {exc.start}: {exc.reason}",
                                     "a UTF-8 JSON file") from exc
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise GenerationConfigError(str(path), "<json>", f"line {exc.lineno} col {exc.colno}: {exc.msg}",
+        raise InvalidCheckpoint(str(path), "<json>", f"line {exc.lineno} col {exc.colno}: {exc.msg}",
                                     "a well-formed JSON object") from exc
     if not isinstance(data, dict):
-        raise GenerationConfigError(str(path), "<json>", type(data).__name__, "a JSON object at the top level")
+        raise InvalidCheckpoint(str(path), "<json>", type(data).__name__, "a JSON object at the top level")
     return data
 
 
@@ -107,7 +106,7 @@ def _check_sampling_value(source: str, key: str, value: Any) -> float | int:
     try:
         params = SamplingParams(**{name: value})
     except InvalidSamplingParams as exc:
-        raise GenerationConfigError(source, key, value, exc.allowed) from exc
+        raise InvalidCheckpoint(source, key, value, exc.allowed) from exc
     return getattr(params, name)
 
 
@@ -123,7 +122,7 @@ def _eos_ids(source: str, data: Mapping[str, Any]) -> tuple[int, ...] | None:
     ids = value if isinstance(value, list) else [value]
     for token in ids:
         if not is_int(token) or token < 0:
-            raise GenerationConfigError(source, "eos_token_id", value, "an int >= 0 or a list of them")
+            raise InvalidCheckpoint(source, "eos_token_id", value, "an int >= 0 or a list of them")
     return tuple(dict.fromkeys(ids))
 
 
@@ -135,12 +134,12 @@ def _check_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
         try:
             override = json.loads(override)
         except json.JSONDecodeError as exc:
-            raise GenerationConfigError(source, "<json>", override, "a JSON object") from exc
+            raise InvalidCheckpoint(source, "<json>", override, "a JSON object") from exc
     if not isinstance(override, Mapping):
-        raise GenerationConfigError(source, "<json>", override, "a JSON object")
+        raise InvalidCheckpoint(source, "<json>", override, "a JSON object")
     for key in override:
         if key not in FILE_SAMPLING_KEYS:
-            raise GenerationConfigError(source, key, override[key], f"one of {sorted(FILE_SAMPLING_KEYS)}")
+            raise InvalidCheckpoint(source, key, override[key], f"one of {sorted(FILE_SAMPLING_KEYS)}")
     return dict(override)
 
 
