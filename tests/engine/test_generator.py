@@ -85,6 +85,26 @@ def test_scalars_apply_to_every_lane_and_lists_must_agree():
     assert err.value.field == "temperature"
 
 
+@pytest.mark.parametrize("lanes", [4, 64, 1024])
+def test_formatting_and_admitting_read_which_fields_are_per_lane_once(monkeypatch, lanes):
+    """Finding the per-lane fields reads every lane, so doing it per lane made admitting k requests
+    cost O(k^2) (seconds for 1,024): it is done a fixed number of times whatever the batch."""
+    import tokensampler.engine.batch_params as batch_params
+
+    calls = []
+    original = batch_params.BatchSamplingParams.per_lane_fields
+    monkeypatch.setattr(batch_params.BatchSamplingParams, "per_lane_fields",
+                        lambda self: calls.append(1) or original(self))
+    batch = BatchSamplingParams.from_requests([SamplingParams(temperature=0.8, seed=i) for i in range(lanes)])
+    format_sampling_params(batch, lanes)
+    batch.to_requests()
+    gen = SamplingGenerator(50, max_batch_size=lanes, device="cpu", warmup=False)
+    calls.clear()
+    gen.apply_prefill_state(sampling_params=batch, prompt_tokens=torch.full((lanes, 2), 3),
+                            empty_slots=list(range(lanes)))
+    assert len(calls) <= 8
+
+
 def test_format_pads_encodes_neutral_values_and_clamps():
     batch = BatchSamplingParams(temperature=[None, 0.0, 0.7, 1.0, 1.0], top_k=[-1, 5, 200, None, 3],
                                 top_p=[1.5, 0.3, None, 0.9, 1.0], min_p=[None, 0.2, -0.1, 1.3, 0.1],

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from ..core.checks import check_int, check_slots
 from ..core.errors import InvalidSamplingParams
@@ -96,9 +96,11 @@ class BatchSamplingParams:
                 raise InvalidSamplingParams(name, f"{length} lanes", f"{lanes} lanes, like the other lists")
         return lanes
 
-    def lane(self, index: int) -> dict[str, Any]:
-        """The raw field values of lane `index` (scalars replicated; None = the field's default)."""
-        per_lane = set(self.per_lane_fields())
+    def lane(self, index: int, per_lane: Collection[str] | None = None) -> dict[str, Any]:
+        """The raw field values of lane `index` (scalars replicated; None = the field's default).
+        `per_lane`: `per_lane_fields()` when the caller already has it (a loop over the lanes
+        computes it once: finding it reads every lane)."""
+        per_lane = set(self.per_lane_fields()) if per_lane is None else per_lane
         return {name: (getattr(self, name)[index] if name in per_lane else getattr(self, name)) for name in FIELDS}
 
     def to_requests(self, num_lanes: int | None = None) -> list[SamplingParams]:
@@ -110,7 +112,8 @@ class BatchSamplingParams:
         lanes = lanes if lanes is not None else num_lanes
         if lanes is None:
             raise InvalidSamplingParams("num_lanes", None, "an int when every field is a scalar")
-        return [_make_params(self.lane(b)) for b in range(lanes)]
+        per_lane = set(self.per_lane_fields())
+        return [_make_params(self.lane(b, per_lane)) for b in range(lanes)]
 
 
 def _make_params(values: dict[str, Any]) -> SamplingParams:
@@ -193,10 +196,10 @@ def format_sampling_params(params: Any, max_batch_size: int, *, vocab_size: int 
     lanes = max_batch_size if lanes is None else lanes
     if lanes > max_batch_size:
         raise InvalidSamplingParams("params", f"{lanes} lanes", f"at most max_batch_size={max_batch_size} lanes")
-    rows = []
+    rows, per_lane = [], set(batch.per_lane_fields())
     for b in range(max_batch_size):
         if b < lanes:
-            row = _format_lane(batch.lane(b), vocab_size)
+            row = _format_lane(batch.lane(b, per_lane), vocab_size)
         else:
             row = dict(PADDING_LANE)
         _make_params(row)  # validate now, naming the field
@@ -260,7 +263,8 @@ def scatter_sampling_params_to_slots(params: Any, empty_slots: Sequence[int], sl
                           else [getattr(base_batch, name)] * slot_len) for name in FIELDS}
     else:
         columns = {name: [PADDING_LANE[name]] * slot_len for name in FIELDS}
+    per_lane = set(batch.per_lane_fields())
     for i, slot in enumerate(slots):
-        for name, value in batch.lane(i).items():
+        for name, value in batch.lane(i, per_lane).items():
             columns[name][slot] = value
     return BatchSamplingParams(**columns)
