@@ -130,6 +130,14 @@ def _arm_process(model: Path, arm: str, cases: list[str], repeats: int, out: Pat
     return json.loads(out.read_text())
 
 
+def _trim(run: dict) -> None:
+    """A run as recorded: its per-step timings replaced by their decode-step medians (ms)."""
+    run.pop("token_ids", None)
+    run["steps"] = len(run["sampler"])
+    for name in ("forward", "logits", "sampler"):
+        run[f"{name}_ms"] = 1e3 * statistics.median(_decode(run.pop(name)))
+
+
 def _decode(values: list[float]) -> list[float]:
     return values[1:]  # the first sampler call of a generate is its prefill step
 
@@ -212,11 +220,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         import torch
         import vllm
-        for rd in rounds:  # token ids are compared above; the file keeps the timings
+        for rd in rounds:  # token ids are compared above; the file keeps each run's decode-step medians
             for arm in rd.values():
                 for runs in arm["cases"].values():
                     for run in runs:
-                        run.pop("token_ids")
+                        _trim(run)
         payload = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "machine": {"platform": platform.platform(), "processor": platform.processor(),
                                "cpus": os.cpu_count(), "python": platform.python_version(),
