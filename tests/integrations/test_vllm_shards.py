@@ -14,29 +14,30 @@ from tokensampler.core.errors import InvalidEnvironment
 from tokensampler.integrations.vllm.shards import (
     LOGITS_ENV,
     LogitsPath,
-    ShardLayout,
     apply_bitmask_to_shard,
+    local_columns,
     requested_path,
+    shard_layout,
 )
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 8])
 def test_the_ranks_columns_tile_the_padded_vocabulary(world):
-    layouts = [ShardLayout(r, world, 151_646) for r in range(world)]
+    layouts = [shard_layout(r, world, 151_646) for r in range(world)]
     assert layouts[0].padded_vocab_size == 151_680  # a multiple of 64
-    assert [layout.start for layout in layouts] == [r * layouts[0].width for r in range(world)]
-    assert sum(layout.width for layout in layouts) == 151_680
+    assert [layout.offset for layout in layouts] == [r * layouts[0].columns for r in range(world)]
+    assert sum(layout.columns for layout in layouts) == 151_680
 
 
 def test_local_takes_a_ranks_columns_of_whole_rows_with_the_padding_removed():
     rows = torch.arange(2 * 100, dtype=torch.float32).reshape(2, 100)  # V = 100 -> Vp = 128, width 64
-    zero, one = ShardLayout(0, 2, 100), ShardLayout(1, 2, 100)
-    assert torch.equal(zero.local(rows), rows[:, :64])
-    tail = one.local(rows)
+    zero, one = shard_layout(0, 2, 100), shard_layout(1, 2, 100)
+    assert torch.equal(local_columns(zero, rows), rows[:, :64])
+    tail = local_columns(one, rows)
     assert tail.shape == (2, 64) and torch.equal(tail[:, :36], rows[:, 64:])
     assert torch.isneginf(tail[:, 36:]).all()
     shard = torch.randn(2, 64)
-    assert one.local(shard) is shard  # already the rank's slice
+    assert local_columns(one, shard) is shard  # already the rank's slice
 
 
 def bitmask_rows(allowed: list[set[int]], vocab: int) -> np.ndarray:
@@ -52,8 +53,8 @@ def bitmask_rows(allowed: list[set[int]], vocab: int) -> np.ndarray:
 # columns, most of which start inside a 32-bit word of the bitmask
 @pytest.mark.parametrize("vocab, world", [(200, 2), (200, 4), (191, 8)])
 def test_the_bitmask_on_each_ranks_columns_equals_the_bitmask_on_whole_rows(vocab, world):
-    layouts = [ShardLayout(r, world, vocab) for r in range(world)]
-    width, padded = layouts[0].width, layouts[0].padded_vocab_size
+    layouts = [shard_layout(r, world, vocab) for r in range(world)]
+    width, padded = layouts[0].columns, layouts[0].padded_vocab_size
     logits = torch.randn(4, padded, generator=torch.Generator().manual_seed(world))
     # rows 0 and 2 have grammars (listed in another order than the batch), rows 1 and 3 none
     grammar = SimpleNamespace(structured_output_request_ids=["c", "a"],
@@ -67,7 +68,7 @@ def test_the_bitmask_on_each_ranks_columns_equals_the_bitmask_on_whole_rows(voca
         want[row] = want[row].masked_fill(~keep, float("-inf"))
     parts = []
     for layout in layouts:
-        shard = logits[:, layout.start:layout.start + width].clone()
+        shard = logits[:, layout.offset:layout.offset + width].clone()
         apply_bitmask_to_shard(shard, req_ids, grammar, layout)
         parts.append(shard)
     assert torch.equal(torch.cat(parts, dim=1), want)

@@ -73,32 +73,32 @@ def test_merge_top_n_orders_by_value_then_id():
 
 
 # ------------------------------------------------------------------ threads: many shapes
+def check_cases_on_threads(world: int, cases: list[tuple[str, dc.Case]]) -> None:
+    """Each (label, case) on `world` threads, against the reference; every failure reported."""
+    failures = []
+    for label, case in cases:
+        for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
+                case, ex, label, with_reference=True)):
+            failures += rank_failures
+    assert not failures, "\n".join(failures[:10])
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_split_equals_unsplit_sampler_threads(world):
-    failures = []
-    for vocab, padded in dc.CONFIGS[world]:
-        for m, mode in enumerate(dc.MODES):
-            for seed in (100 * world + 10 * m + vocab, 7919 * world + m + vocab):
-                case = dc.make_case(seed, vocab, padded, mode)
-                label = f"threads w{world} V{vocab}/{padded} {mode} seed {seed}"
-                for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
-                        case, ex, label, with_reference=True)):
-                    failures += rank_failures
-    assert not failures, "\n".join(failures[:10])
+    check_cases_on_threads(world, [
+        (f"threads w{world} V{vocab}/{padded} {mode} seed {seed}", dc.make_case(seed, vocab, padded, mode))
+        for vocab, padded in dc.CONFIGS[world] for m, mode in enumerate(dc.MODES)
+        for seed in (100 * world + 10 * m + vocab, 7919 * world + m + vocab)])
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_split_equals_the_reference_on_slices_wider_than_the_top_p_candidates(world):
     """Slices of 1,000+ columns: top-p bisects on each rank's 256 largest values, and sorts the
     slice in the steps whose candidates fall short of the bound (flat rows): both token for token."""
-    failures = []
-    for m, mode in enumerate(dc.MODES):
-        case = dc.make_case(31 * world + m, 3001, 3003 if world == 3 else 3002, mode, steps=2, rows=6)
-        label = f"threads w{world} V3001 {mode}"
-        for rank_failures in dc.run_threads(world, lambda ex, case=case, label=label: dc.check_case(
-                case, ex, label, with_reference=True)):
-            failures += rank_failures
-    assert not failures, "\n".join(failures[:10])
+    check_cases_on_threads(world, [
+        (f"threads w{world} V3001 {mode}", dc.make_case(31 * world + m, 3001, 3003 if world == 3 else 3002, mode,
+                                                       steps=2, rows=6))
+        for m, mode in enumerate(dc.MODES)])
 
 
 @pytest.mark.parametrize("world", [2, 3])

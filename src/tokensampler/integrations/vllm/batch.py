@@ -26,8 +26,9 @@ import torch
 from ...core.output import LogprobsOutput
 from ...engine.batch_params import BatchSamplingParams
 from ...engine.generator import SamplingGenerator
+from ...state.layout import VocabLayout
 from .params import to_tokensampler
-from .shards import ShardLayout
+from .shards import local_columns
 
 RequestLookup = Callable[[str], Any]  # request id -> vLLM's CachedRequestState
 LOG = logging.getLogger("tokensampler.integrations.vllm")
@@ -39,14 +40,14 @@ class BatchState:
     seed_source: the seeds of unseeded requests (None: fresh ones); the ranks of a tensor-parallel
     group pass the same source (`ranks.agreed_seed_source`) and admit the same requests in the same
     order, so they draw the same seeds.
-    shards: sample this rank's columns of the logits (`shards.ShardLayout`) over `group`, the
+    shards: sample this rank's columns of the logits (`shards.shard_layout`) over `group`, the
     tensor-parallel group (the generator's vocabulary split: the same tokens on every rank, and
     rank 0's seeds for unseeded requests); None: the whole rows, on this rank alone.
     """
 
     def __init__(self, lanes: int, vocab_size: int, device: torch.device | str, *, logprobs_mode: str,
                  max_logprobs: int, seed_source: Callable[[], int] | None = None,
-                 shards: ShardLayout | None = None, group: Any = None) -> None:
+                 shards: VocabLayout | None = None, group: Any = None) -> None:
         self.lanes = lanes
         self.vocab_size = vocab_size
         self.shards = shards
@@ -106,7 +107,7 @@ class BatchState:
         On shards, `logits` is this rank's `[B, Vp / tp]` slice, or whole rows it takes its columns of."""
         active = [b for b, keep in enumerate(record) if keep]
         if self.shards is not None:
-            logits = self.shards.local(logits)
+            logits = local_columns(self.shards, logits)
         # every row recorded: the generator's default (every occupied slot below B) is exactly them
         return self.generator.sample(logits, active_slots=None if len(active) == len(record) else active)
 

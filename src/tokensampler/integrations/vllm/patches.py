@@ -54,7 +54,7 @@ def install() -> None:
 
     from .ranks import tensor_parallel
     from .sampler import TokenSamplerSampler
-    from .shards import ShardLayout, apply_bitmask_to_shard, sharding, skip_gather
+    from .shards import apply_bitmask_to_shard, shard_layout, sharding, skip_gather
     from .speculative import TokenSamplerRejectionSampler
 
     runner_init = runner_module.GPUModelRunner.__init__
@@ -81,7 +81,7 @@ def install() -> None:
 
     def execute(self: Any, *args: Any, **kwargs: Any) -> Any:
         sampler = self.sampler
-        layout = sampler.shard_layout() if isinstance(sampler, TokenSamplerSampler) else None
+        layout = sampler.sharded_columns() if isinstance(sampler, TokenSamplerSampler) else None
         with sharding(layout):
             return execute_model(self, *args, **kwargs)
 
@@ -94,8 +94,8 @@ def install() -> None:
 
     def bitmask(scheduler_output: Any, grammar_output: Any, batch: Any, logits: Any) -> None:
         tp = tensor_parallel() if logits.shape[-1] != batch.vocab_size else None
-        layout = None if tp is None else ShardLayout(tp.rank, tp.world_size, batch.vocab_size)
-        if layout is not None and logits.shape[-1] == layout.width:
+        layout = None if tp is None else shard_layout(tp.rank, tp.world_size, batch.vocab_size)
+        if layout is not None and logits.shape[-1] == layout.columns:
             apply_bitmask_to_shard(logits, batch.req_ids, grammar_output, layout)
         else:
             apply_bitmask(scheduler_output, grammar_output, batch, logits)

@@ -33,10 +33,11 @@ from vllm.v1.sample.logits_processor.builtin import (
 )
 from vllm.v1.sample.sampler import Sampler as VllmSampler
 
+from ...state.layout import VocabLayout
 from .batch import BatchState
 from .logprobs import to_vllm_logprobs
 from .ranks import agreed_seed_source, tensor_parallel
-from .shards import LogitsPath, ShardLayout, choose_path
+from .shards import LogitsPath, choose_path, shard_layout
 
 LOG = logging.getLogger("tokensampler.integrations.vllm")
 
@@ -82,7 +83,7 @@ class TokenSamplerSampler(VllmSampler):
             if path is LogitsPath.SHARDS:  # each rank samples its columns over the group: one split sampler
                 group = tp.device_group if torch.device(runner.device).type == "cuda" else tp.cpu_group
                 state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
-                                   max_logprobs=max_logprobs, shards=ShardLayout(tp.rank, tp.world_size, vocab),
+                                   max_logprobs=max_logprobs, shards=shard_layout(tp.rank, tp.world_size, vocab),
                                    group=group)
             else:  # the ranks of a tensor-parallel group draw the same seeds for unseeded requests
                 state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
@@ -91,7 +92,7 @@ class TokenSamplerSampler(VllmSampler):
             self._states = {id(batch): state}  # an older batch is gone for good
         return state
 
-    def shard_layout(self) -> ShardLayout | None:
+    def sharded_columns(self) -> VocabLayout | None:
         """The columns this rank samples when its engine is on the shard path (None: whole rows)."""
         return self.state().shards if self.runner() is not None else None
 

@@ -24,14 +24,13 @@ Mechanics: while the runner's `execute_model` runs for an engine on the shard pa
 marks the call, and `LogitsProcessor._get_logits` (hooked by `patches.py`) returns the LM head's
 local logits instead of gathering them, when the head's layout is the expected one (no added
 vocabulary, the expected padded width); otherwise it gathers as usual and the sampler takes its
-own columns of the whole row (`ShardLayout.local`), so the tokens are the same either way.
+own columns of the whole row (`local_columns`), so the tokens are the same either way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import enum
 import os
 from typing import Any, Iterator
@@ -40,6 +39,7 @@ import torch
 
 from ...core.constants import NEG_INF
 from ...core.errors import InvalidEnvironment
+from ...state.layout import VocabLayout
 
 LOGITS_ENV = "TOKENSAMPLER_VLLM_LOGITS"
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: the LM head's vocabulary is padded to a multiple of it
@@ -52,44 +52,32 @@ class LogitsPath(enum.Enum):
     SHARDS = "shards"      # each tensor-parallel rank's [B, Vp / tp] slice, sampled over the group
 
 
-@dataclasses.dataclass(frozen=True)
-class ShardLayout:
-    """The columns of the padded vocabulary one rank's LM head computes."""
+def shard_layout(rank: int, world_size: int, vocab_size: int) -> VocabLayout:
+    """The columns rank `rank` of `world_size` computes: vLLM's LM head pads the vocabulary to a
+    multiple of 64 and gives each rank `Vp / world_size` contiguous columns (`offset`, `columns`)."""
+    padded = -(-vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+    return VocabLayout(vocab_size, padded, rank, world_size, sliced=True)
 
-    rank: int
-    world_size: int
-    vocab_size: int  # V: ids >= V are padding
 
-    @property
-    def padded_vocab_size(self) -> int:
-        return -(-self.vocab_size // VOCAB_PADDING) * VOCAB_PADDING
+def head_matches(layout: VocabLayout, lm_head: Any) -> bool:
+    """Whether vLLM's LM head (a `VocabParallelEmbedding`) computes exactly `layout`'s columns."""
+    indices = getattr(lm_head, "shard_indices", None)
+    return (indices is not None and getattr(lm_head, "num_added_embeddings", 1) == 0
+            and getattr(lm_head, "num_embeddings_padded", None) == layout.padded_vocab_size
+            and getattr(lm_head, "tp_size", None) == layout.world
+            and indices.org_vocab_start_index == layout.offset)
 
-    @property
-    def width(self) -> int:
-        return self.padded_vocab_size // self.world_size
 
-    @property
-    def start(self) -> int:
-        return self.rank * self.width
-
-    def matches(self, lm_head: Any) -> bool:
-        """Whether vLLM's LM head (a `VocabParallelEmbedding`) computes exactly these columns."""
-        indices = getattr(lm_head, "shard_indices", None)
-        return (indices is not None and getattr(lm_head, "num_added_embeddings", 1) == 0
-                and getattr(lm_head, "num_embeddings_padded", None) == self.padded_vocab_size
-                and getattr(lm_head, "tp_size", None) == self.world_size
-                and indices.org_vocab_start_index == self.start)
-
-    def local(self, logits: torch.Tensor) -> torch.Tensor:
-        """This rank's `[B, width]` slice: `logits` itself when it is the shard, else the columns
-        of the whole `[B, V]` row (padding columns at -inf)."""
-        if logits.shape[-1] == self.width:
-            return logits
-        end = min(self.start + self.width, logits.shape[-1])
-        part = logits[:, self.start:end]
-        if part.shape[-1] == self.width:
-            return part
-        return torch.cat([part, part.new_full((part.shape[0], self.width - part.shape[-1]), NEG_INF)], dim=1)
+def local_columns(layout: VocabLayout, logits: torch.Tensor) -> torch.Tensor:
+    """This rank's `[B, columns]` slice: `logits` itself when it is the shard, else the columns of
+    the whole `[B, V]` rows (padding columns at -inf)."""
+    width, start = layout.columns, layout.offset
+    if logits.shape[-1] == width:
+        return logits
+    part = logits[:, start:min(start + width, logits.shape[-1])]
+    if part.shape[-1] == width:
+        return part
+    return torch.cat([part, part.new_full((part.shape[0], width - part.shape[-1]), NEG_INF)], dim=1)
 
 
 def requested_path() -> LogitsPath:
@@ -129,11 +117,11 @@ def choose_path(runner: Any, world_size: int) -> tuple[LogitsPath, str]:
     return LogitsPath.SHARDS, f"{world_size} tensor-parallel ranks, each samples its own logits columns"
 
 
-_SHARDING: contextvars.ContextVar[ShardLayout | None] = contextvars.ContextVar("tokensampler_sharding", default=None)
+_SHARDING: contextvars.ContextVar[VocabLayout | None] = contextvars.ContextVar("tokensampler_sharding", default=None)
 
 
 @contextlib.contextmanager
-def sharding(layout: ShardLayout | None) -> Iterator[None]:
+def sharding(layout: VocabLayout | None) -> Iterator[None]:
     """While active (layout not None), the LM head's logits are not gathered (see the module doc)."""
     token = _SHARDING.set(layout)
     try:
@@ -145,14 +133,14 @@ def sharding(layout: ShardLayout | None) -> Iterator[None]:
 def skip_gather(lm_head: Any) -> bool:
     """Whether the logits of `lm_head` stay on their rank in the current call."""
     layout = _SHARDING.get()
-    return layout is not None and layout.matches(lm_head)
+    return layout is not None and head_matches(layout, lm_head)
 
 
 def apply_bitmask_to_shard(logits: torch.Tensor, req_ids: list[str], grammar_output: Any,
-                           layout: ShardLayout) -> None:
+                           layout: VocabLayout) -> None:
     """vLLM's structured-output bitmask on this rank's columns of `logits` (`[B, width]`, in place):
     row b of the batch takes the bitmask row of its request (none: every id allowed), and column c
-    is global id `layout.start + c`, removed (-inf) where its bit is 0. Without speculative decoding
+    is global id `layout.offset + c`, removed (-inf) where its bit is 0. Without speculative decoding
     (which takes the gathered path), request k of the grammar output owns bitmask row k."""
     bitmask = torch.from_numpy(grammar_output.grammar_bitmask)
     row_of = {rid: b for b, rid in enumerate(req_ids[:logits.shape[0]])}
@@ -163,7 +151,7 @@ def apply_bitmask_to_shard(logits: torch.Tensor, req_ids: list[str], grammar_out
             masks.append(k)
     if not rows:
         return
-    ids = torch.arange(layout.start, layout.start + layout.width)
+    ids = layout.global_ids("cpu")
     words = bitmask[masks].to(torch.int64)
     word = (ids >> 5).clamp(max=words.shape[1] - 1)
     allowed = ((words[:, word] >> (ids & 31)) & 1).bool() & (ids < words.shape[1] * 32)
