@@ -91,8 +91,8 @@ def _top_p_threshold(split: SplitStep, zs: torch.Tensor, p: torch.Tensor, z_max:
     top-k pass, no sort); a round in which some comparison needs more than the candidates give (the
     ranks' candidates together hold less than the bound, as in flat rows) is evaluated again, from
     then on, with every rank's whole slice sorted (`MassAbove`): the same threshold either way."""
-    count = split.top_p_candidates
-    table: sel.MassAbove | sel.CandidateMass = (sel.CandidateMass(zs, p, count) if 0 < count < zs.shape[-1]
+    candidates = 0 < split.top_p_candidates < zs.shape[-1]
+    table: sel.MassAbove | sel.CandidateMass = (sel.CandidateMass(zs, p, split.top_p_candidates) if candidates
                                                 else sel.MassAbove(zs, p))
     lo = torch.full_like(z_max, KEY_NEG_INF, dtype=torch.int64)
     hi = order_key(z_max)
@@ -101,15 +101,13 @@ def _top_p_threshold(split: SplitStep, zs: torch.Tensor, p: torch.Tensor, z_max:
         pivots = sel.bisection_pivots(lo, hi, split.top_p_pivots)
         values = key_to_float(pivots)
         local = table.at(values)
-        if round_index == 0:
-            extra = [table.total()[:, None]]
-            if isinstance(table, sel.CandidateMass):
-                extra.append(table.floor.to(torch.float64)[:, None])
+        if round_index == 0:  # with the pivots' masses: the total, and the candidates' floor
+            extra = [table.total()[:, None]] + ([table.floor.to(torch.float64)[:, None]] if candidates else [])
             gathered = split.exchange.all_gather(torch.cat([local, *extra], dim=-1))
-            bound = top_p * gathered[..., local.shape[-1]].sum(dim=0)
-            if isinstance(table, sel.CandidateMass):
-                floors = gathered[..., local.shape[-1] + 1]
-            mass = gathered[..., :local.shape[-1]].sum(dim=0)
+            width = local.shape[-1]
+            bound = top_p * gathered[..., width].sum(dim=0)
+            floors = gathered[..., width + 1] if candidates else None
+            mass = gathered[..., :width].sum(dim=0)
         else:
             mass = split.exchange.all_gather(local).sum(dim=0)
         below = sel.bisection_below(mass, bound, values, floors)

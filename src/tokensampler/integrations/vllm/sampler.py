@@ -20,28 +20,19 @@ falls back to vLLM's own sampler: it samples nothing that is returned to a reque
 
 from __future__ import annotations
 
-import logging
 import weakref
 from typing import Any
 
 import torch
 from vllm.v1.outputs import SamplerOutput
-from vllm.v1.sample.logits_processor.builtin import (
-    LogitBiasLogitsProcessor,
-    MinPLogitsProcessor,
-    MinTokensLogitsProcessor,
-)
 from vllm.v1.sample.sampler import Sampler as VllmSampler
 
 from ...state.layout import VocabLayout
-from .batch import BatchState
+from .batch import LOG, BatchState
 from .logprobs import to_vllm_logprobs
+from .processors import apply_custom
 from .ranks import agreed_seed_source, tensor_parallel
 from .shards import LogitsPath, choose_path, shard_layout
-
-LOG = logging.getLogger("tokensampler.integrations.vllm")
-
-BUILTIN_PROCESSORS = (MinTokensLogitsProcessor, LogitBiasLogitsProcessor, MinPLogitsProcessor)
 
 
 class TokenSamplerSampler(VllmSampler):
@@ -105,9 +96,7 @@ class TokenSamplerSampler(VllmSampler):
         state = self.state()
         rows = batch.num_reqs
         state.follow(batch.req_ids[:rows], runner.requests.__getitem__)
-        for processor in sampling_metadata.logitsprocs.all:
-            if not isinstance(processor, BUILTIN_PROCESSORS):
-                logits = processor.apply(logits)
+        logits = apply_custom(logits, sampling_metadata.logitsprocs)
         record = (~runner.discard_request_mask.np[:rows].astype(bool)).tolist()
         tokens, logprobs = state.sample(logits, record)
         self.steps += 1

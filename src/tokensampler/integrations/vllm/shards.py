@@ -92,16 +92,11 @@ def requested_path() -> LogitsPath:
 def choose_path(runner: Any, world_size: int) -> tuple[LogitsPath, str]:
     """The logits path of `runner`'s engine and why (one line, for the log)."""
     from vllm import envs
-    from vllm.v1.sample.logits_processor.builtin import (
-        LogitBiasLogitsProcessor,
-        MinPLogitsProcessor,
-        MinTokensLogitsProcessor,
-    )
 
-    builtin = (LogitBiasLogitsProcessor, MinPLogitsProcessor, MinTokensLogitsProcessor)
+    from .processors import custom_processors
+
     requested = requested_path()
-    processors = getattr(getattr(runner, "input_batch", None), "logitsprocs", None)
-    custom = [p for p in (processors.all if processors is not None else ()) if not isinstance(p, builtin)]
+    custom = custom_processors(getattr(getattr(runner, "input_batch", None), "logitsprocs", None))
     reasons = [
         (world_size <= 1, "one tensor-parallel rank"),
         (requested is LogitsPath.GATHERED, f"{LOGITS_ENV}=gathered (the default)"),

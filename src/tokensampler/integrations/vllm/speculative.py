@@ -23,7 +23,8 @@ from vllm.v1.sample.rejection_sampler import RejectionSampler as VllmRejectionSa
 
 from ...core.output import LogprobsOutput
 from .logprobs import to_vllm_logprobs
-from .sampler import BUILTIN_PROCESSORS, TokenSamplerSampler
+from .processors import apply_custom
+from .sampler import TokenSamplerSampler
 
 
 def _layout(metadata: Any, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,9 +57,7 @@ class TokenSamplerRejectionSampler(VllmRejectionSampler):
         rows_in_batch = batch.num_reqs
         state = sampler.state()
         state.follow(batch.req_ids[:rows_in_batch], runner.requests.__getitem__)
-        for processor in sampling_metadata.logitsprocs.all:
-            if not isinstance(processor, BUILTIN_PROCESSORS):
-                logits = processor.apply(logits)
+        logits = apply_custom(logits, sampling_metadata.logitsprocs)
         rows, drafts = _layout(metadata, logits.device)
         target = logits[rows]  # [B, K+1, V]
         probs = None
