@@ -8,6 +8,8 @@ from typing import Any
 from ...core.params import SamplingParams
 
 GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
+# vLLM accepts any finite repetition penalty > 0 and applies it in float32: the float32 range
+PENALTY_RANGE = (2.0 ** -149, 3.4028234663852886e38)  # the smallest subnormal, the largest finite float32
 
 
 def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:
@@ -16,7 +18,8 @@ def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:
     temperature below 1e-5 is greedy (temperature 0, as vLLM); top_k 0 / -1 / >= V is off; the
     stop ids active below `min_tokens` are vLLM's `all_stop_token_ids` (EOS unless ignore_eos, and
     stop_token_ids); bad words come as vLLM tokenised them; the seed is vLLM's (n > 1 children
-    already carry seed + index), None draws a fresh one at admission; logprobs N or -1.
+    already carry seed + index), None draws a fresh one at admission; logprobs N or -1; a
+    repetition penalty outside float32's range (vLLM accepts any finite one > 0) is clamped into it.
     """
     temperature = float(params.temperature)
     greedy = temperature < GREEDY_BELOW
@@ -32,7 +35,7 @@ def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:
         min_p=0.0 if greedy else float(params.min_p),
         presence_penalty=float(params.presence_penalty),
         frequency_penalty=float(params.frequency_penalty),
-        repetition_penalty=float(params.repetition_penalty),
+        repetition_penalty=min(max(float(params.repetition_penalty), PENALTY_RANGE[0]), PENALTY_RANGE[1]),
         seed=params.seed,
         logprobs=None if logprobs is None else int(logprobs),
         logit_bias=bias,

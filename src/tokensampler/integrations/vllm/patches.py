@@ -19,6 +19,9 @@
   inside `shards.sharding(...)`, during which `LogitsProcessor._get_logits` leaves the LM head's
   logits on their rank (no all-gather); the runner's `apply_grammar_bitmask` applies a
   structured-output bitmask to a rank's own columns when the logits are a shard.
+- `SamplingParams.update_from_tokenizer` (in the API-server process, where vLLM tokenises the bad
+  words of a request it admits): a request whose allowed ids are all banned by one-token bad words
+  is refused with vLLM's validation error, a 400 (`admission.py`).
 - On a GPU, vLLM 0.32 picks its Model Runner V2 when Triton is importable; the plugin asks for the
   V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0` unless set) and refuses a V2 runner.
 """
@@ -49,9 +52,11 @@ def install() -> None:
         LOG.warning(warning)
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     import vllm.model_executor.layers.logits_processor as logits_module
+    import vllm.sampling_params as sampling_module
     import vllm.v1.worker.gpu_input_batch as input_batch
     import vllm.v1.worker.gpu_model_runner as runner_module
 
+    from .admission import check_allowed_against_bad_words
     from .ranks import tensor_parallel
     from .sampler import TokenSamplerSampler
     from .shards import apply_bitmask_to_shard, shard_layout, sharding, skip_gather
@@ -100,6 +105,13 @@ def install() -> None:
         else:
             apply_bitmask(scheduler_output, grammar_output, batch, logits)
 
+    update_from_tokenizer = sampling_module.SamplingParams.update_from_tokenizer
+
+    def tokenised(self: Any, tokenizer: Any) -> None:
+        update_from_tokenizer(self, tokenizer)
+        check_allowed_against_bad_words(self)
+
+    sampling_module.SamplingParams.update_from_tokenizer = tokenised
     runner_module.GPUModelRunner.__init__ = init
     runner_module.GPUModelRunner.execute_model = execute
     runner_module.apply_grammar_bitmask = bitmask
