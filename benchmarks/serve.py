@@ -21,9 +21,13 @@ Parts (all by default):
   the sampler's share of a step is larger, through the same server path.
 
 One server runs at a time; within a round every arm runs once, and the order of the arms alternates
-from round to round, so a slower spell of the shared machine falls on both. Per arm, case and
-concurrency the medians over rounds of output tokens/s, TTFT and TPOT go to the JSON, the README
-table (`format_table`) and the plot (`plot`, matplotlib, the `[plot]` extra).
+from round to round, so a slower spell of the shared machine falls on both. Each server is first
+warmed up on every case and concurrency (untimed), so that what either sampler compiles or caches
+for a new batch shape is not timed. Per arm, case and concurrency the medians over rounds of output
+tokens/s, TTFT and TPOT go to the JSON, the README table (`format_table`) and the plot (`plot`,
+matplotlib, the `[plot]` extra). Every server also loads the `ts_step_timer` plugin of
+`benchmarks/vllm_step_timer/`, which times the engine's step by part (the forward, the sampling
+call, the sampler inside it): `format_breakdown` says where a difference between the arms comes from.
 
 The bench client is vLLM's `vllm bench serve` itself (`vllm.benchmarks.serve`, the code behind the
 command), called in this process so that its import (about 10 s) is paid once.
@@ -39,17 +43,17 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.vllm_server import Server  # noqa: E402
 
 CASES: dict[str, list[str]] = {
     "greedy": ["--temperature", "0"],
@@ -62,54 +66,12 @@ CONCURRENCY = (1, 8, 32)
 MIN_PROMPTS = 2  # a run sends max(concurrency, 2) prompts: one wave (they all start and end together)
 INPUT_LEN = OUTPUT_LEN = 128
 SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 1.0, "top_k": 20, "top_p": 0.95}
-SERVE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--max-num-seqs", "32",
+SERVE_FLAGS = ["--dtype", "float32", "--enforce-eager", "--max-num-seqs", "32",
                "--kv-cache-memory-bytes", str(1 << 30), "--seed", "0", "--uvicorn-log-level", "warning"]
+MAX_MODEL_LEN = 512
 METRICS = ("output_throughput", "median_ttft_ms", "median_tpot_ms")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@contextlib.contextmanager
-def served(model: Path, *, plugin: bool, log: Path, extra: list[str] = ()) -> Iterator[str]:
-    """`vllm serve model` (plugin on or off) in its own process group; yields its URL once `/health`
-    answers, and stops it (SIGINT, then SIGKILL) on exit."""
-    port = free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    env.pop("VLLM_PLUGINS", None)
-    if plugin:
-        env["VLLM_PLUGINS"] = "tokensampler"
-    command = [str(Path(sys.executable).with_name("vllm")), "serve", str(model), "--served-model-name", "model",
-               "--host", "127.0.0.1", "--port", str(port), *SERVE_FLAGS, *extra]
-    process = subprocess.Popen(command, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                               start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while not _healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"vllm serve did not start (see {log}):\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGINT)
-            try:
-                process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-            return reply.status == 200
-    except OSError:
-        return False
+STEP_TIMER = Path(__file__).with_name("vllm_step_timer")  # the ts_step_timer plugin (its docstring)
+WARMUP_TOKENS = 8
 
 
 def bench_serve(url: str, tokenizer: Path, case: list[str], concurrency: int, prompts: int,
@@ -131,17 +93,47 @@ def bench_serve(url: str, tokenizer: Path, case: list[str], concurrency: int, pr
     return {key: result[key] for key in (*METRICS, "completed", "duration", "total_output_tokens")}
 
 
+def step_totals(path: Path) -> dict[str, list[float]]:
+    """The step timer's totals so far: {method: [calls, seconds]} (empty before the first step)."""
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def timed_run(url: str, model: Path, case: list[str], concurrency: int, timer: Path) -> dict[str, Any]:
+    """One timed `bench_serve` run, with the engine's per-step breakdown over it (`step_ms`: ms per
+    step of the forward, of sampling and bookkeeping, and of the sampler alone; `steps`)."""
+    before = step_totals(timer)
+    result = bench_serve(url, model, case, concurrency, max(concurrency, MIN_PROMPTS))
+    time.sleep(0.2)  # the engine writes the totals after its step; the last one lands
+    after = step_totals(timer)
+    steps = after["sample_tokens"][0] - before.get("sample_tokens", [0, 0.0])[0]
+    result["steps"] = steps
+    result["step_ms"] = {name: 1000 * (after[name][1] - before.get(name, [0, 0.0])[1]) / max(steps, 1)
+                         for name in after}
+    return result
+
+
 def run_arm(model: Path, *, plugin: bool, cases: dict[str, list[str]], concurrency: tuple[int, ...],
             log: Path, extra: list[str] = (), identity: bool = False) -> dict[str, Any]:
-    """Start one server, warm it up, run every case x concurrency once, optionally the identity
-    requests; the results by case and concurrency."""
+    """Start one server, warm it up on every case and concurrency (untimed, `WARMUP_TOKENS` output
+    tokens: whatever either sampler compiles or caches for a batch shape happens there), run every
+    case x concurrency once, optionally the identity requests; the results by case and concurrency."""
     started = time.monotonic()
-    with served(model, plugin=plugin, log=log, extra=list(extra)) as url:
+    timer = log.with_suffix(".steps.json")
+    timer.unlink(missing_ok=True)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(STEP_TIMER), os.environ.get("PYTHONPATH")])),
+           "TS_STEP_TIMER_FILE": str(timer)}
+    server = Server(model, "model", max_model_len=MAX_MODEL_LEN, log=log, plugin=plugin, timeout=600,
+                    flags=[*SERVE_FLAGS, *extra], plugins=["ts_step_timer"], env=env, test_defaults=False)
+    try:
         startup = time.monotonic() - started
-        bench_serve(url, model, CASES["topp0.95"], 8, 8, output_len=16)  # untimed warm-up
-        runs = {name: {str(c): bench_serve(url, model, case, c, max(c, MIN_PROMPTS)) for c in concurrency}
+        for case in cases.values():
+            for c in concurrency:
+                bench_serve(server.url, model, case, c, max(c, MIN_PROMPTS), output_len=WARMUP_TOKENS)
+        runs = {name: {str(c): timed_run(server.url, model, case, c, timer) for c in concurrency}
                 for name, case in cases.items()}
-        ids = identity_requests(url, model) if identity else None
+        ids = identity_requests(server.url, model) if identity else None
+    finally:
+        server.stop()
     return {"startup_s": startup, "runs": runs, "identity": ids}
 
 
@@ -255,10 +247,19 @@ def synthetic(scratch: Path) -> Path:
 
 
 def medians(rounds: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per case and concurrency, the median over rounds of each metric of one arm."""
+    """Per case and concurrency, the median over rounds of each metric of one arm, and of each part
+    of the engine's step (`step_ms`)."""
     first = rounds[0]["runs"]
-    return {case: {c: {m: statistics.median(r["runs"][case][c][m] for r in rounds) for m in METRICS}
-                   for c in first[case]} for case in first}
+    out: dict[str, Any] = {}
+    for case in first:
+        out[case] = {}
+        for c in first[case]:
+            runs = [r["runs"][case][c] for r in rounds]
+            entry = {m: statistics.median(run[m] for run in runs) for m in METRICS}
+            if all("step_ms" in run for run in runs):
+                entry["step_ms"] = {k: statistics.median(run["step_ms"][k] for run in runs) for k in runs[0]["step_ms"]}
+            out[case][c] = entry
+    return out
 
 
 def run_part(name: str, model: Path, arms: dict[str, dict[str, Any]], cases: dict[str, list[str]],
@@ -286,6 +287,26 @@ def format_table(part: dict[str, Any], base: str = "off", other: str = "on") -> 
             lines.append(f"| {case} | {c} | {a['output_throughput']:.1f} | {b['output_throughput']:.1f} | "
                          f"{b['output_throughput'] / a['output_throughput']:.2f} | {a['median_ttft_ms']:.0f} / "
                          f"{b['median_ttft_ms']:.0f} | {a['median_tpot_ms']:.1f} / {b['median_tpot_ms']:.1f} |")
+    return "\n".join(lines)
+
+
+def format_breakdown(part: dict[str, Any], base: str = "off", other: str = "on") -> str:
+    """Markdown: per case and concurrency, the engine's step in ms (medians over rounds): the sampler
+    alone (`_sample`), the rest of the sampling call (`sample_tokens` less the sampler), the forward
+    (`execute_model`), for both arms."""
+    med = part["medians"]
+    lines = [f"| case | conc | sampler ms {base} / {other} | rest of sampling ms {base} / {other} "
+             f"| forward ms {base} / {other} | step ms {base} / {other} |", "|---|---|---|---|---|---|"]
+    for case, by_c in med[base].items():
+        for c, a in by_c.items():
+            b = med[other][case][c]
+            if "step_ms" not in a or "step_ms" not in b:
+                continue
+            cells = []
+            for part_of in (lambda s: s["_sample"], lambda s: s["sample_tokens"] - s["_sample"],
+                            lambda s: s["execute_model"], lambda s: s["sample_tokens"] + s["execute_model"]):
+                cells.append(f"{part_of(a['step_ms']):.2f} / {part_of(b['step_ms']):.2f}")
+            lines.append(f"| {case} | {c} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -368,7 +389,8 @@ def main(argv: list[str] | None = None) -> int:
     onoff = {"off": {"plugin": False}, "on": {"plugin": True}}
     if "sampler" in parts:
         summary["parts"]["sampler"] = run_part("sampler", model, onoff, cases, concurrency, args.rounds, scratch)
-        print(format_table(summary["parts"]["sampler"]), flush=True)
+        print(format_table(summary["parts"]["sampler"]), format_breakdown(summary["parts"]["sampler"]),
+              sep="\n", flush=True)
     if "generation-config" in parts:
         sampling = sampling_checkpoint(model, scratch / "smollm2-sampling")
         arms = {f"{g}-{p}": {"plugin": p == "on", "extra": ["--generation-config", g]}
@@ -384,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
         summary["parts"]["synthetic"] = run_part("synthetic", synthetic(scratch), onoff, subset,
                                                  tuple(c for c in concurrency if c > 1) or concurrency,
                                                  args.rounds, scratch)
-        print(format_table(summary["parts"]["synthetic"]), flush=True)
+        print(format_table(summary["parts"]["synthetic"]), format_breakdown(summary["parts"]["synthetic"]),
+              sep="\n", flush=True)
     args.json.write_text(json.dumps(summary, indent=1) + "\n")
     if "sampler" in summary["parts"]:
         plot(summary, args.plot)

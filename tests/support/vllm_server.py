@@ -28,22 +28,24 @@ class Server:
 
     flags: more `vllm serve` flags, after `SERVE_FLAGS` (a flag given twice takes the later value);
     plugins: more general plugins to load with `VLLM_PLUGINS` (with or without tokensampler's);
-    env: more environment variables of the server process."""
+    env: more environment variables of the server process;
+    test_defaults: the suite's small engine (`SERVE_FLAGS`, one OMP thread, an in-process engine
+      core); a benchmark passes False and its own flags, to serve as a user would."""
 
     def __init__(self, model: Path, name: str, *, max_model_len: int, log: Path, plugin: bool = True,
                  timeout: float = 300.0, flags: Sequence[str] = (), plugins: Sequence[str] = (),
-                 env: Mapping[str, str] | None = None) -> None:
+                 env: Mapping[str, str] | None = None, test_defaults: bool = True) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        environ = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1",
-                   "HF_HUB_OFFLINE": "1", **(env or {})}
+        suite = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"} if test_defaults else {}
+        environ = {**os.environ, **suite, "HF_HUB_OFFLINE": "1", **(env or {})}
         environ.pop("VLLM_PLUGINS", None)
         names = (["tokensampler"] if plugin else []) + list(plugins)
         if names:
             environ["VLLM_PLUGINS"] = ",".join(names)
         vllm = Path(sys.executable).with_name("vllm")
         command = [str(vllm), "serve", str(model), "--served-model-name", name, "--max-model-len", str(max_model_len),
-                   "--host", "127.0.0.1", "--port", str(self.port), *SERVE_FLAGS, *flags]
+                   "--host", "127.0.0.1", "--port", str(self.port), *(SERVE_FLAGS if test_defaults else ()), *flags]
         self.log = log
         self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                         start_new_session=True, env=environ)
