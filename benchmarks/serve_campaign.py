@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # run as a script: the test suite's support modul
 
 from tests.support import serve_campaign as campaign  # noqa: E402
 from tests.support.serve_campaign import MODELS, failures, run_campaign, run_soak  # noqa: E402
-from tests.support.serve_requests import vocabulary  # noqa: E402
+from tests.support.serve_requests import KINDS, vocabulary  # noqa: E402
 
 
 def checkpoint(model: str, scratch: Path) -> Path:
@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--kind", action="append", choices=sorted(KINDS), default=[],
+                        help="repeatable: only random requests of these kinds (no edge requests)")
     parser.add_argument("--soak", type=float, default=None, metavar="MINUTES", help="run the soak instead")
     parser.add_argument("--interval", type=float, default=30.0, help="soak: seconds between samples")
     parser.add_argument("--json", type=Path, default=None)
@@ -103,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             default = ROOT / "benchmarks" / "serve_soak.json"
         else:
             report = run_campaign(path, vocab, count=args.requests, seed=args.seed, scratch=scratch,
-                                  concurrency=args.concurrency)
+                                  concurrency=args.concurrency, kinds=args.kind)
             print_campaign(report)
             bad = failures(report)
             default = ROOT / "benchmarks" / "serve_campaign.json"

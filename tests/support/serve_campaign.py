@@ -285,6 +285,15 @@ def idle_check(url: str, model: str, probe: Path) -> dict[str, Any]:
             and all(sizes.get(name) == 1 for name in STRUCTURES)}
 
 
+ERRORS_KEPT = 100
+
+
+def server_error(request: CampaignRequest, outcome: Outcome) -> dict[str, Any]:
+    """What the soak keeps of a request answered with a 5xx (or not at all): the request and the answer."""
+    return {"kind": request.kind, "endpoint": request.endpoint, "body": request.body, "status": outcome.status,
+            "detail": outcome.detail, "stream_error": outcome.stream_error, "seconds": outcome.seconds}
+
+
 def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: int, probe: Path,
          rss: Callable[[], dict[str, int]], alive: Callable[[], bool], concurrency: int = 16) -> dict[str, Any]:
     """Mixed load for `seconds`; RSS (`rss`: bytes by process) and structure sizes every `interval` s;
@@ -294,6 +303,7 @@ def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: 
     statuses: Counter = Counter()
     kinds: dict[str, Counter] = {}
     deaths = [0]
+    errors: list[dict[str, Any]] = []  # the first `ERRORS_KEPT` 5xx or unanswered requests, in full
     deadline = time.monotonic() + seconds
 
     def worker(http: httpx.Client) -> None:
@@ -305,6 +315,8 @@ def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: 
                 statuses[outcome.status_class] += 1
                 kinds.setdefault(request.kind, Counter())[outcome.status_class] += 1
                 deaths[0] += not outcome.alive
+                if outcome.status_class in ("5xx", "no answer") and len(errors) < ERRORS_KEPT:
+                    errors.append(server_error(request, outcome))
 
     samples: list[dict[str, Any]] = []
     start = time.monotonic()
@@ -329,7 +341,7 @@ def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: 
     return {"seconds": seconds, "interval": interval, "requests": sum(statuses.values()),
             "statuses": dict(statuses),
             "kinds": {kind: dict(counts) for kind, counts in sorted(kinds.items())}, "deaths": deaths[0],
-            "samples": samples,
+            "samples": samples, "server_errors": errors,
             "idle": idle, "alive_after": alive(), "rss_growth_per_request": growth_per_request(samples[:-2])}
 
 
@@ -363,9 +375,10 @@ def run_arm(path: Path, vocab: Vocabulary, requests: list, scratch: Path, *, plu
 
 
 def run_campaign(path: Path, vocab: Vocabulary, *, count: int, seed: int, scratch: Path,
-                 concurrency: int = 16) -> dict[str, Any]:
-    """Both arms on the same requests, and the findings."""
-    requests = campaign_requests(count, seed, vocab)
+                 concurrency: int = 16, kinds: Sequence[str] = ()) -> dict[str, Any]:
+    """Both arms on the same requests, and the findings; `kinds`: only requests of those kinds
+    (`serve_requests.KINDS`, no edge requests), to chase one kind's rare answers."""
+    requests = campaign_requests(count, seed, vocab, kinds)
     arms = {"plugin": run_arm(path, vocab, requests, scratch, plugin=True, concurrency=concurrency),
             "vllm": run_arm(path, vocab, requests, scratch, plugin=False, concurrency=concurrency)}
     findings = compare(requests, arms["plugin"]["outcomes"], arms["vllm"]["outcomes"], vocab.size)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 ALL_BANNED = ("every allowed id is banned by a one-token bad word: vLLM answers 200 with a token "
               "outside the allowed ids, the plugin refuses the request with 400 (docs/vllm.md)")
@@ -286,12 +286,16 @@ def draw(index: int, rng: random.Random, vocab: Vocabulary, kind: str | None = N
                            cancel_after=draft.cancel_after, replay=replay, explained=draft.explained)
 
 
-def generate(count: int, seed: int, vocab: Vocabulary) -> list[CampaignRequest]:
-    """`count` requests, a pure function of (count, seed, vocab); every kind at least once when count allows."""
+def generate(count: int, seed: int, vocab: Vocabulary, kinds: Sequence[str] = ()) -> list[CampaignRequest]:
+    """`count` requests, a pure function of (count, seed, vocab, kinds); every kind at least once when
+    count allows; `kinds`: only those kinds, in turn."""
     rng = random.Random(seed)
-    kinds = list(KINDS) if count >= len(KINDS) else [None] * count
-    requests = [draw(i, rng, vocab, kind) for i, kind in enumerate(kinds)]
-    requests += [draw(i, rng, vocab) for i in range(len(requests), count)]
+    if kinds:
+        requests = [draw(i, rng, vocab, kinds[i % len(kinds)]) for i in range(count)]
+    else:
+        forced = list(KINDS) if count >= len(KINDS) else [None] * count
+        requests = [draw(i, rng, vocab, kind) for i, kind in enumerate(forced)]
+        requests += [draw(i, rng, vocab) for i in range(len(requests), count)]
     rng.shuffle(requests)  # the forced kinds spread over the run
     return [replace(r, index=i) for i, r in enumerate(requests)]
 
@@ -312,9 +316,9 @@ def edge_requests(vocab: Vocabulary, start: int = 0) -> list[CampaignRequest]:
     return out
 
 
-def campaign_requests(count: int, seed: int, vocab: Vocabulary) -> list[CampaignRequest]:
+def campaign_requests(count: int, seed: int, vocab: Vocabulary, kinds: Sequence[str] = ()) -> list[CampaignRequest]:
     """The campaign: `count` random requests (`generate`) and every edge request, shuffled together
-    (seeded); `index` is the position in the list."""
-    requests = generate(count, seed, vocab) + edge_requests(vocab)
+    (seeded); `index` is the position in the list. With `kinds`, only random requests of those kinds."""
+    requests = generate(count, seed, vocab, kinds) + ([] if kinds else edge_requests(vocab))
     random.Random(seed + 1).shuffle(requests)
     return [replace(r, index=i) for i, r in enumerate(requests)]
