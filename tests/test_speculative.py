@@ -550,19 +550,16 @@ def test_split_match_mode_equals_unsplit_and_rejection_is_refused():
         assert refused is not None and refused.field == "mode" and isinstance(refused, InvalidSamplingParams)
 
 
-def test_rejection_mode_refuses_a_stage_it_does_not_build():
-    """Rows needing a step stage outside `TARGET_STAGES` (here bad words) are refused in rejection
-    mode, before any state changes; match mode runs the step itself and has it."""
-    if "bad_words_token_ids" not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        pytest.skip("no bad words in this SamplingParams")
-    sampler = Sampler(8, max_slots=1)
-    sampler.add_request(0, SamplingParams(temperature=1.0, seed=1, bad_words_token_ids=[[3]]), [1])
-    logits = torch.zeros(1, 3, 8)
-    logits[:, :, 3] = 50.0  # the banned id would win everywhere
-    before = snapshot(sampler)
-    with pytest.raises(InvalidSamplingParams) as raised:
-        sampler.sample_speculative(logits, torch.tensor([[3, 3]]), mode="rejection")
-    assert raised.value.field == "mode" and "bad_words" in raised.value.allowed
-    assert_same_state(snapshot(sampler), before)
-    out = sampler.sample_speculative(logits, torch.tensor([[3, 3]]), mode="match")
-    assert 3 not in out.token_ids[0].tolist() and out.token_ids[0, 0] >= 0
+def test_rejection_mode_honours_a_one_token_bad_word():
+    """A banned id that would win everywhere: rejection mode never accepts it as a draft, never
+    draws it from the residual, and the bonus position (the ordinary step) never emits it."""
+    sampler = Sampler(8, max_slots=200)
+    for b in range(200):
+        sampler.add_request(b, SamplingParams(temperature=1.0, seed=b, bad_words_token_ids=[[3]]), [1])
+    logits = torch.zeros(200, 3, 8)
+    logits[:, :, 3] = 50.0
+    out = sampler.sample_speculative(logits, torch.full((200, 2), 3), mode="rejection")
+    assert bool((out.num_emitted == 1).all())  # the draft 3 has p = 0: rejected at once
+    assert 3 not in out.token_ids[:, 0].tolist() and bool((out.token_ids[:, 0] >= 0).all())
+    out = sampler.sample_speculative(logits, torch.full((200, 2), -1), mode="rejection")
+    assert 3 not in out.token_ids[:, 0].tolist()

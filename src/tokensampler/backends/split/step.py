@@ -31,7 +31,7 @@ from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...parallel.transport import Exchange
 from ...state import SamplerState
-from ..native import masking, penalties
+from ..native import stages
 from . import merge as sel
 
 DEFAULT_TOP_P_PIVOTS = 255
@@ -52,33 +52,16 @@ def _saturated_value(value: torch.Tensor, has_posinf: torch.Tensor) -> torch.Ten
 def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                  token_bitmask: torch.Tensor | None = None):
     """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf.
-    The token bitmask is read at this rank's bits (global ids offset..); bad words ban global ids,
-    each removed on the rank that holds it."""
-    st = split.state
-    z = logits.to(torch.float32, copy=True)
-    z.masked_fill_(torch.isnan(z) | split.padding[None, :], NEG_INF)
-    edits = (plan.allowed_ids or token_bitmask is not None or (plan.bad_words and st.bad_words is not None)
-             or (plan.min_tokens and st.stop_mask is not None) or plan.logit_bias or plan.penalties)
+    The edits are the torch step's own stages (`native.stages.apply_edits`) on this rank's slice
+    state: the token bitmask is read at this rank's bits (global ids offset..); bad words ban
+    global ids, each removed on the rank that holds it."""
+    z = stages.clean_logits(torch.empty(logits.shape, dtype=torch.float32, device=logits.device), logits,
+                            split.padding if split.has_padding else None)
+    edits = plan.edits(token_bitmask is not None)
     if not edits:  # nothing below changes z: the raw rows are the same tensor
         return z, z
     raw = z.clone()
-    if plan.allowed_ids:
-        z.masked_fill_(~st.allowed_mask[index], NEG_INF)
-    if token_bitmask is not None:
-        masking.remove_by_bitmask(z, token_bitmask, split.offset)
-    if plan.bad_words and st.bad_words is not None:
-        recent = None if st.recent_tokens is None else st.recent_tokens[index]
-        cells = masking.banned_cells(masking.banned_tokens(st.bad_words[index], recent), split.offset, split.width)
-        if cells is not None:
-            z[cells] = NEG_INF
-    if plan.min_tokens and st.stop_mask is not None:
-        below = st.output_len[index] < st.min_tokens[index]
-        z.masked_fill_(st.stop_mask[index] & below[:, None], NEG_INF)
-    if plan.logit_bias:
-        z = z + st.logit_bias[index]
-    if plan.penalties:
-        z = penalties.apply_penalties(z, st.prompt_mask[index], st.output_counts[index],
-                                      st.repetition[index], st.frequency[index], st.presence[index])
+    stages.apply_edits(z, stages.StageRows(split.state, index, plan.rows, token_bitmask), edits)
     return raw, z
 
 
@@ -305,6 +288,7 @@ class SplitStep:
         self.top_p_candidates = top_p_candidates
         self.global_ids = layout.global_ids(self.device)
         self.padding = self.global_ids >= self.vocab_size
+        self.has_padding = layout.real_width < layout.columns  # some of this rank's columns are padding
 
     def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
             token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
