@@ -191,3 +191,25 @@ def test_filter_columns_carry_the_rows_parameters_and_noise_keys():
     st = sampler.state
     assert torch.equal(cols.keys, rng.row_key(st.seed[slots[:2]], st.position[slots[:2]], st.stream[slots[:2]]))
     assert stages.filter_columns(sampler.state, slots, rows).any_min_p
+
+
+# ------------------------------------------------------------------ the kernels' hand-off
+def test_a_stage_without_a_kernel_mirror_is_handed_to_the_torch_step(monkeypatch):
+    from tokensampler.backends.triton import config as kernel_config
+
+    monkeypatch.setenv("TOKENSAMPLER_BACKEND", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    if not kernel_config.triton_available():
+        pytest.skip("Triton is not installed")
+    sampler = Sampler(10, max_slots=2)
+    sampler.add_request(0, SamplingParams(temperature=0.0, bad_words_token_ids=[[1]]), [])
+    sampler.add_request(1, SamplingParams(temperature=0.7, top_k=3), [])
+    logits = torch.randn(1, 10)
+    with_words, without = plan_step([sampler.params_of(0)], 10), plan_step([sampler.params_of(1)], 10)
+    backends = sampler.backends
+    assert backends.choose(logits, with_words) is backends.kernels  # every stage is mirrored today
+    monkeypatch.setattr(kernel_config, "KERNEL_STAGES", kernel_config.KERNEL_STAGES - {"bad_words"})
+    assert backends.choose(logits, with_words) is backends.native
+    assert backends.choose(logits, without) is backends.kernels
+    monkeypatch.setattr(kernel_config, "KERNEL_STAGES", kernel_config.KERNEL_STAGES - {"top_k"})
+    assert backends.choose(logits, without) is backends.native

@@ -115,21 +115,37 @@ def _scores(zs: torch.Tensor, keys: torch.Tensor, global_ids: torch.Tensor) -> t
     return score
 
 
+def _min_p(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, k_max: int) -> None:
+    """min-p, local: the row max is the gathered one."""
+    zs.masked_fill_(torch.exp(zs - row_max[:, None]) < split.state.min_p[slots][:, None], NEG_INF)
+
+
+def _top_k(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, k_max: int) -> None:
+    """top-k: the k-th largest value merged from each rank's candidates (one all-gather)."""
+    if k_max > 0:
+        candidates = sel.local_top_values(zs, min(k_max, split.width))
+        kth = sel.merge_kth_largest(split.exchange.all_gather(candidates), split.state.top_k[slots])
+        zs.masked_fill_(zs < kth[:, None], NEG_INF)
+
+
+def _top_p(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, k_max: int) -> None:
+    """top-p: the threshold by bisection over the gathered masses (`_top_p_threshold`)."""
+    top_p = split.state.top_p[slots].to(torch.float64)
+    threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
+    zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+
+
+# the split's exact merge of each filter of the definition (`core.plan.FILTER_STAGES`; a filter
+# added to the definition needs its merge here: tests/split/test_distributed.py checks the names)
+SPLIT_FILTERS = {"min_p": _min_p, "top_k": _top_k, "top_p": _top_p}
+
+
 def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,
             k_max: int) -> torch.Tensor:
-    """min-p (local: the row max is known), top-k (one all-gather of each rank's candidates) and
-    top-p (bisection) on the sampled rows `zs` [S, width], in place; `row_max` is their global max."""
-    st = split.state
-    if plan.min_p:
-        zs.masked_fill_(torch.exp(zs - row_max[:, None]) < st.min_p[slots][:, None], NEG_INF)
-    if plan.top_k and k_max > 0:
-        candidates = sel.local_top_values(zs, min(k_max, split.width))
-        kth = sel.merge_kth_largest(split.exchange.all_gather(candidates), st.top_k[slots])
-        zs.masked_fill_(zs < kth[:, None], NEG_INF)
-    if plan.top_p:
-        top_p = st.top_p[slots].to(torch.float64)
-        threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
-        zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+    """The plan's filters (min-p, top-k, top-p, in order, `SPLIT_FILTERS`) on the sampled rows `zs`
+    [S, width], in place; `row_max` is their global max."""
+    for name in plan.filters:
+        SPLIT_FILTERS[name](split, zs, row_max, slots, k_max)
     return zs
 
 
