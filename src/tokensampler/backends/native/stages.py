@@ -83,7 +83,7 @@ def clean_logits(out: torch.Tensor, logits: torch.Tensor, padding: torch.Tensor 
 def remove_disallowed(z: torch.Tensor, rows: StageRows) -> None:
     """`allowed_token_ids`: every id outside a row's allowed set to -inf (rows that have one)."""
     if any(p.allowed_token_ids is not None for p in rows.params) and rows.state.allowed_mask is not None:
-        masking.remove_disallowed(z, rows.state.allowed_mask[rows.slots])
+        z.masked_fill_(~rows.state.allowed_mask[rows.slots], NEG_INF)
 
 
 def remove_by_bitmask(z: torch.Tensor, rows: StageRows) -> None:
@@ -118,7 +118,8 @@ def remove_stop_ids(z: torch.Tensor, rows: StageRows) -> None:
     st = rows.state
     if any(p.min_tokens > 0 for p in rows.params) and st.stop_mask is not None:
         s = rows.slots
-        masking.remove_stop_ids(z, st.stop_mask[s], st.output_len[s] < st.min_tokens[s])
+        below_min_tokens = st.output_len[s] < st.min_tokens[s]
+        z.masked_fill_(st.stop_mask[s] & below_min_tokens[:, None], NEG_INF)
 
 
 # ------------------------------------------------------------------ step 4
