@@ -51,7 +51,8 @@ class StageRows:
     slots: int64 [R] on the state's device, the slot of each row of z.
     params: the rows' parameters (the host mirror), one per row.
     token_bitmask: int32 [R, W], the call's mask at these rows (global ids), or None.
-    dense_buffer: a reused float32 buffer of >= n elements (the bitmask's lookup), or None.
+    dense_buffer: a callable giving a reused float32 buffer of >= n elements (the bitmask's
+        table lookup, `masking.remove_by_bitmask`), or None.
     """
 
     state: SamplerState
