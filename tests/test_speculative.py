@@ -550,19 +550,293 @@ def test_split_match_mode_equals_unsplit_and_rejection_is_refused():
         assert refused is not None and refused.field == "mode" and isinstance(refused, InvalidSamplingParams)
 
 
-def test_rejection_mode_refuses_a_stage_it_does_not_build():
-    """Rows needing a step stage outside `TARGET_STAGES` (here bad words) are refused in rejection
-    mode, before any state changes; match mode runs the step itself and has it."""
-    if "bad_words_token_ids" not in {f.name for f in dataclasses.fields(SamplingParams)}:
-        pytest.skip("no bad words in this SamplingParams")
-    sampler = Sampler(8, max_slots=1)
-    sampler.add_request(0, SamplingParams(temperature=1.0, seed=1, bad_words_token_ids=[[3]]), [1])
-    logits = torch.zeros(1, 3, 8)
-    logits[:, :, 3] = 50.0  # the banned id would win everywhere
+def test_rejection_mode_honours_a_one_token_bad_word():
+    """A banned id that would win everywhere: rejection mode never accepts it as a draft, never
+    draws it from the residual, and the bonus position (the ordinary step) never emits it."""
+    sampler = Sampler(8, max_slots=200)
+    for b in range(200):
+        sampler.add_request(b, SamplingParams(temperature=1.0, seed=b, bad_words_token_ids=[[3]]), [1])
+    logits = torch.zeros(200, 3, 8)
+    logits[:, :, 3] = 50.0
+    out = sampler.sample_speculative(logits, torch.full((200, 2), 3), mode="rejection")
+    assert bool((out.num_emitted == 1).all())  # the draft 3 has p = 0: rejected at once
+    assert 3 not in out.token_ids[:, 0].tolist() and bool((out.token_ids[:, 0] >= 0).all())
+    out = sampler.sample_speculative(logits, torch.full((200, 2), -1), mode="rejection")
+    assert 3 not in out.token_ids[:, 0].tolist()
+
+
+# ------------------------------------------------------------------ bad words and the token bitmask
+def pack_bits(allowed: list[set[int]], words: int) -> torch.Tensor:
+    """int32 [B, words], bit (i % 32) of word (i // 32) set for each allowed i (an independent packer)."""
+    rows = []
+    for ids in allowed:
+        values = [0] * words
+        for i in ids:
+            values[i // 32] |= 1 << (i % 32)
+        rows.append([v - (1 << 32) if v >= 1 << 31 else v for v in values])
+    return torch.tensor(rows, dtype=torch.int32).reshape(len(allowed), words)
+
+
+def target_probs_of(params: SamplingParams, logits: torch.Tensor, position: int, outputs=(),
+                    allowed: set[int] | None = None) -> torch.Tensor:
+    """The definition's filtered distribution at one position (reference.py's final z, softmax over
+    the kept ids) after `outputs` (bad words read them), with this position's bitmask as `allowed`."""
+    request = ReferenceRequest(params, 0, position, PROMPT, list(outputs), 0)
+    final = reference_sample_row(logits, request, logits.shape[-1], "processed_logits", allowed)[2][1]
+    return torch.softmax(final.to(torch.float64), dim=-1)
+
+
+SPEC_TRIALS = 8000
+FIRST_DRAFT = 1  # every row drafts id 1 first (q one-hot there), then a draft from q
+
+
+def two_position_trial(target: SamplingParams, bitmask: torch.Tensor | None = None, trials: int = SPEC_TRIALS):
+    """K = 2 rejection-mode verification of `trials` seeded rows: drafts (FIRST_DRAFT, x ~ q) with
+    q given at both positions. Returns the output and the second drafts."""
+    position = len(PROMPT)
+    q = filtered_probs(DRAFT, Q_LOGITS, position)
+    second = torch.multinomial(q, trials, replacement=True, generator=torch.Generator().manual_seed(23))
+    drafts = torch.stack([torch.full((trials,), FIRST_DRAFT), second], dim=1)
+    probs = torch.zeros(trials, 2, VOCAB)
+    probs[:, 0, FIRST_DRAFT] = 1.0
+    probs[:, 1] = q.to(torch.float32)
+    sampler = Sampler(VOCAB, max_slots=trials)
+    for b in range(trials):
+        sampler.add_request(b, dataclasses.replace(target, seed=70_000 + b), PROMPT)
+    logits = P_LOGITS.expand(trials, 3, VOCAB).contiguous()
+    masks = None if bitmask is None else bitmask.expand(trials, *bitmask.shape).contiguous()
+    out = sampler.sample_speculative(logits, drafts, draft_probs=probs, mode="rejection", token_bitmask=masks)
+    return out, second
+
+
+# bad words: id 2 always (one token); id 0 once the output ends with FIRST_DRAFT (two tokens), so
+# the target at the second position depends on the draft accepted at the first
+BAD_WORDS = SamplingParams(temperature=1.0, bad_words_token_ids=[[2], [FIRST_DRAFT, 0]])
+
+
+def test_rejection_mode_emits_the_bad_word_filtered_target():
+    position = len(PROMPT)
+    out, _ = two_position_trial(BAD_WORDS)
+    p0 = target_probs_of(BAD_WORDS, P_LOGITS, position)
+    p1 = target_probs_of(BAD_WORDS, P_LOGITS, position + 1, outputs=[FIRST_DRAFT])
+    assert float(p0[2]) == 0.0 and float(p1[0]) == 0.0 and float(p1[2]) == 0.0
+    first = out.token_ids[:, 0]
+    assert chi_square_pvalue(first, p0) > 1e-4
+    accepted = out.num_emitted >= 2  # the first draft accepted: the history holds it at position 1
+    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
+    second = out.token_ids[accepted, 1]
+    assert second.numel() > 1000
+    assert chi_square_pvalue(second, p1) > 1e-4
+    # controls: the same statistics reject the target without its bad words, or without the history
+    assert chi_square_pvalue(first, target_probs_of(SamplingParams(temperature=1.0), P_LOGITS, position)) < 1e-8
+    assert chi_square_pvalue(second, target_probs_of(BAD_WORDS, P_LOGITS, position + 1)) < 1e-8
+
+
+# the bitmask of each position (the draft positions, then the bonus position)
+MASK_SETS = [{0, 1, 3, 4}, {1, 2, 4, 5}, {3, 5}]
+MASKED = SamplingParams(temperature=1.3, top_k=5)
+
+
+def test_rejection_mode_emits_the_bitmask_filtered_target():
+    position = len(PROMPT)
+    bitmask = pack_bits(MASK_SETS, 1)  # [K+1, W]: one row per position
+    out, _ = two_position_trial(MASKED, bitmask)
+    p0 = target_probs_of(MASKED, P_LOGITS, position, allowed=MASK_SETS[0])
+    p1 = target_probs_of(MASKED, P_LOGITS, position + 1, [FIRST_DRAFT], allowed=MASK_SETS[1])
+    p2 = target_probs_of(MASKED, P_LOGITS, position + 2, allowed=MASK_SETS[2])  # the history does not matter
+    first = out.token_ids[:, 0]
+    assert chi_square_pvalue(first, p0) > 1e-4
+    accepted = out.num_emitted >= 2
+    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
+    second = out.token_ids[accepted, 1]
+    assert chi_square_pvalue(second, p1) > 1e-4
+    bonus = out.token_ids[out.num_emitted == 3, 2]
+    assert bonus.numel() > 300 and set(bonus.tolist()) <= MASK_SETS[2]
+    assert chi_square_pvalue(bonus, p2) > 1e-4
+    # controls: without the mask, or with position 0's mask at position 1, the test fails
+    assert chi_square_pvalue(first, target_probs_of(MASKED, P_LOGITS, position)) < 1e-8
+    assert chi_square_pvalue(second, target_probs_of(MASKED, P_LOGITS, position + 1, allowed=MASK_SETS[0])) < 1e-8
+
+
+def random_constrained_case(rnd: random.Random, vocab: int, batch: int, k: int):
+    """Rows with bad words (one- and multi-token, on ids the outputs will hold), mixed parameters,
+    and a random per-position bitmask [B, K+1, W] with a few ids masked out."""
+    params = []
+    for _ in range(batch):
+        base = random_params(rnd, vocab, logprobs=False)
+        words = [[rnd.randrange(vocab)] for _ in range(rnd.randint(0, 2))]
+        words += [[rnd.randrange(vocab) for _ in range(rnd.randint(2, 3))] for _ in range(rnd.randint(0, 3))]
+        params.append(dataclasses.replace(base, bad_words_token_ids=words))
+    words = -(-vocab // 32) + rnd.choice([0, 1])
+    allowed = [[set(range(vocab)) - set(rnd.sample(range(vocab), rnd.randint(0, vocab // 3)))
+                for _ in range(k + 1)] for _ in range(batch)]
+    bitmask = torch.stack([pack_bits(rows, words) for rows in allowed])
+    return params, allowed, bitmask
+
+
+@pytest.mark.parametrize("case", range(10))
+def test_target_rows_with_bad_words_and_bitmask_is_the_definitions_kept_set(case):
+    """`target_rows` with bad words on the recorded output and a token bitmask, against
+    reference.py: the final z bit for bit and the canonical token."""
+    rnd = random.Random(800 + case)
+    vocab = rnd.choice([5, 40, 300])
+    batch = rnd.randint(1, 6)
+    params, allowed, bitmask = random_constrained_case(rnd, vocab, batch, 0)
+    prompts = [[rnd.randrange(vocab) for _ in range(rnd.randrange(5))] for _ in range(batch)]
+    # outputs that end with the prefix of a bad word half the time
+    outputs = []
+    for p in params:
+        multi = [w for w in p.bad_words_token_ids if len(w) > 1]
+        outputs.append(list(rnd.choice(multi)[:-1]) if multi and rnd.random() < 0.5 else
+                       [rnd.randrange(vocab) for _ in range(rnd.randrange(3))])
+    sampler = make_sampler(vocab, vocab + 2, params, prompts, outputs, list(range(batch)), max_slots=batch)
+    logits = random_logits(rnd, batch, 1, vocab, vocab + 2)[:, 0]
+    plan = plan_step(params, vocab)
+    got = target_rows(sampler.state, logits, torch.arange(batch), plan, token_bitmask=bitmask[:, 0])
+    for b in range(batch):
+        request = ReferenceRequest(params[b], sampler.seed_of(b), len(prompts[b]) + len(outputs[b]), prompts[b],
+                                   outputs[b], 0)
+        token, valid, (_, final) = reference_sample_row(logits[b], request, vocab, "processed_logits", allowed[b][0])
+        assert int(got.tokens[b]) == token and bool(got.valid[b]) == valid, b
+        if valid:
+            assert torch.equal(got.final[b], final), (b, got.final[b], final)
+
+
+def reference_stepped(logits, params, prompts, seeds, drafts, allowed, vocab):
+    """The oracle for rows whose verification is deterministic (greedy rows: accept while the draft
+    equals the canonical token): reference.py one position at a time, the emitted tokens appended to
+    the output (bad words read it), position j's bitmask as its allowed set."""
+    batch, positions = logits.shape[:2]
+    want = torch.full((batch, positions), -1, dtype=torch.int64)
+    for b in range(batch):
+        outputs = []
+        for j in range(positions):
+            request = ReferenceRequest(params[b], seeds[b], len(prompts[b]) + j, prompts[b], list(outputs), 0)
+            token = reference_sample_row(logits[b, j], request, vocab, "raw_logprobs", allowed[b][j])[0]
+            want[b, j] = token
+            outputs.append(token)
+            if j == positions - 1 or int(drafts[b, j]) != token:
+                break
+    return want
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", range(6))
+def test_greedy_rows_with_bad_words_and_bitmask_equal_the_oracle_stepped(mode, case):
+    rnd = random.Random(900 + case)
+    vocab, batch, k = rnd.choice([12, 50]), rnd.randint(1, 6), rnd.choice([1, 3])
+    params, allowed, bitmask = random_constrained_case(rnd, vocab, batch, k)
+    params = [dataclasses.replace(p, temperature=0.0) for p in params]
+    prompts = [[rnd.randrange(vocab) for _ in range(3)] for _ in range(batch)]
+    logits = random_logits(rnd, batch, k + 1, vocab, vocab)
+    sampler = make_sampler(vocab, vocab, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
+    seeds = [sampler.seed_of(b) for b in range(batch)]
+    # drafts: the oracle's own tokens up to a random cut (bad words then fire on the drafts), then anything
+    full = reference_stepped(logits, params, prompts, seeds, torch.full((batch, k), -2), allowed, vocab)
+    drafts = torch.randint(0, vocab, (batch, k), generator=torch.Generator().manual_seed(case))
+    for b in range(batch):
+        cut = rnd.randint(0, k)
+        drafts[b, :cut] = full[b, :cut]
+    full = reference_stepped(logits, params, prompts, seeds, drafts, allowed, vocab)
+    out = sampler.sample_speculative(logits, drafts, mode=mode, token_bitmask=bitmask)
+    assert torch.equal(out.token_ids, full), (out.token_ids, full, drafts)
+
+
+def test_reference_stepped_uses_the_history_for_bad_words():
+    """Control of the oracle above: a two-token bad word fires only once its prefix was emitted."""
+    vocab = 4
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=[[1, 2]])]
+    logits = torch.tensor([[[0.0, 5.0, 1.0, 0.0], [0.0, 0.0, 5.0, 1.0]]])
+    allowed = [[set(range(vocab))] * 2]
+    want = reference_stepped(logits, params, [[0]], [0], torch.tensor([[1]]), allowed, vocab)
+    assert want.tolist() == [[1, 3]]  # id 2 banned after 1
+    sampler = make_sampler(vocab, vocab, params, [[0]], [[]], [0], max_slots=1)
+    assert sampler.sample_speculative(logits, torch.tensor([[1]]), mode="rejection").token_ids.tolist() == [[1, 3]]
+
+
+@pytest.mark.parametrize("case", range(6))
+def test_match_mode_with_bitmask_equals_plain_sampler_stepped_with_masks(case):
+    """Match mode with a token bitmask per position and bad words: the plain sampler stepped one
+    position at a time with that position's mask, tokens, logprobs and state."""
+    rnd = random.Random(950 + case)
+    vocab = rnd.choice([7, 40, 100])
+    padded = vocab + rnd.choice([0, 3])
+    batch, k = rnd.randint(1, 6), rnd.choice([1, 3])
+    params, allowed, bitmask = random_constrained_case(rnd, vocab, batch, k)
+    params = [dataclasses.replace(p, logprobs=rnd.choice([None, 2])) for p in params]
+    prompts = [[rnd.randrange(vocab) for _ in range(3)] for _ in range(batch)]
+    logits = random_logits(rnd, batch, k + 1, vocab, padded)
+    plain = make_sampler(vocab, padded, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
+    spec = make_sampler(vocab, padded, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
+    drafts = torch.randint(0, vocab, (batch, k), generator=torch.Generator().manual_seed(case))
+    want = torch.full((batch, k + 1), -1, dtype=torch.int64)
+    alive = list(range(batch))
+    for j in range(k + 1):
+        got = plain.sample(logits[alive, j].contiguous(), alive, token_bitmask=bitmask[alive, j].contiguous())
+        tokens = got.token_ids.tolist()
+        survivors = []
+        for i, b in enumerate(alive):
+            want[b, j] = tokens[i]
+            if j < k and rnd.random() < 0.7:
+                drafts[b, j] = tokens[i]  # accepted: the next position sees it in the history
+                survivors.append(b)
+            elif j < k:
+                drafts[b, j] = (tokens[i] + 1) % vocab
+        alive = survivors
+        if not alive:
+            break
+    out = spec.sample_speculative(logits, drafts, mode="match", token_bitmask=bitmask)
+    assert torch.equal(out.token_ids, want), (out.token_ids, want)
+    assert_same_state(snapshot(spec), snapshot(plain))
+
+
+def test_rejection_bonus_position_takes_the_last_mask():
+    """Peaked drafts accepted everywhere: the bonus token is the plain sampler's with the bonus
+    position's mask (the last of K+1) and the drafts in the history."""
+    rnd = random.Random(31)
+    vocab, batch, k = 50, 6, 2
+    params, allowed, bitmask = random_constrained_case(rnd, vocab, batch, k)
+    params = [dataclasses.replace(p, allowed_token_ids=None, logit_bias=None, temperature=rnd.choice([0.0, 1.0]),
+                                  top_k=0, top_p=1.0, min_p=0.0, min_tokens=0, bad_words_token_ids=())
+              for p in params]
+    prompts = [[rnd.randrange(vocab) for _ in range(3)] for _ in range(batch)]
+    drafts = torch.tensor([[rnd.choice(sorted(allowed[b][j])) for j in range(k)] for b in range(batch)])
+    logits = torch.randn(batch, k + 1, vocab, generator=torch.Generator().manual_seed(2))
+    for b in range(batch):
+        for j in range(k):
+            logits[b, j, drafts[b, j]] = 60.0
+        masked = rnd.randrange(vocab)  # the bonus position's mask removes the id that would win without it
+        allowed[b][k].discard(masked)
+        logits[b, k, masked] = 60.0
+    bitmask[:, k] = pack_bits([allowed[b][k] for b in range(batch)], bitmask.shape[2])
+    plain = make_sampler(vocab, vocab, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
+    spec = make_sampler(vocab, vocab, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
+    for j in range(k):
+        plain.sample(logits[:, j].contiguous(), token_bitmask=bitmask[:, j].contiguous())
+    want = plain.sample(logits[:, k].contiguous(), token_bitmask=bitmask[:, k].contiguous()).token_ids
+    out = spec.sample_speculative(logits, drafts, mode="rejection", token_bitmask=bitmask)
+    assert torch.equal(out.token_ids[:, :k], drafts)
+    assert torch.equal(out.token_ids[:, k], want)
+    assert all(int(want[b]) in allowed[b][k] for b in range(batch))
+    assert_same_state(snapshot(spec), snapshot(plain))
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("bad, field", [
+    (lambda: torch.zeros(2, 3, 1, dtype=torch.int64), "token_bitmask.dtype"),
+    (lambda: torch.zeros(2, 3, dtype=torch.int32), "token_bitmask"),
+    (lambda: torch.zeros(2, 2, 1, dtype=torch.int32), "token_bitmask"),
+    (lambda: torch.zeros(3, 3, 1, dtype=torch.int32), "token_bitmask"),
+    (lambda: torch.zeros(2, 3, 0, dtype=torch.int32), "token_bitmask.shape"),
+    (lambda: [[[-1]] * 3] * 2, "token_bitmask"),
+])
+def test_bad_speculative_bitmask_raises_and_leaves_state_unchanged(mode, bad, field):
+    sampler = Sampler(20, max_slots=2)
+    for b in range(2):
+        sampler.add_request(b, SamplingParams(temperature=0.8, seed=b), [1])
     before = snapshot(sampler)
     with pytest.raises(InvalidSamplingParams) as raised:
-        sampler.sample_speculative(logits, torch.tensor([[3, 3]]), mode="rejection")
-    assert raised.value.field == "mode" and "bad_words" in raised.value.allowed
+        sampler.sample_speculative(torch.randn(2, 3, 20), torch.tensor([[1, 2], [3, -1]]), mode=mode,
+                                   token_bitmask=bad())
+    assert raised.value.field == field, raised.value
     assert_same_state(snapshot(sampler), before)
-    out = sampler.sample_speculative(logits, torch.tensor([[3, 3]]), mode="match")
-    assert 3 not in out.token_ids[0].tolist() and out.token_ids[0, 0] >= 0

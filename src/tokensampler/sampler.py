@@ -31,7 +31,7 @@ from .core.output import SamplerOutput, SpeculativeOutput
 from .core.params import SamplingParams, check_params_for_vocab
 from .core.plan import StepPlan, plan_step
 from .parallel.agreement import Agreement, fingerprint, params_key
-from .speculative import SPECULATIVE_MODES, STREAM_LIMIT, check_target_stages, verify_match, verify_rejection
+from .speculative import SPECULATIVE_MODES, STREAM_LIMIT, verify_match, verify_rejection
 from .state import SamplerState, VocabLayout
 
 
@@ -254,7 +254,8 @@ class Sampler:
     def sample_speculative(self, target_logits: torch.Tensor, draft_token_ids: torch.Tensor, *,
                            draft_probs: torch.Tensor | None = None,
                            slots: Sequence[int] | torch.Tensor | None = None, mode: str | None = None,
-                           record: torch.Tensor | None = None) -> SpeculativeOutput:
+                           record: torch.Tensor | None = None,
+                           token_bitmask: torch.Tensor | None = None) -> SpeculativeOutput:
         """Verify K drafted tokens per row against the target's logits (docs/speculative.md).
 
         Parameters
@@ -273,6 +274,14 @@ class Sampler:
             min(1, p(x) / q(x)), else a token of the residual max(p - q, 0).
         record: optional bool [B] on the sampler's device; rows where it is False are verified but
             neither counted nor advanced.
+        token_bitmask: optional int32 [B, K+1, W >= ceil(vocab_size / 32)] on the logits' device, one
+            mask per position (the K draft positions, then the bonus position), in the layout of
+            `sample`'s `token_bitmask` (bit j of word w, least significant first, allows id 32 w + j):
+            position j's target distribution removes every id whose bit in `token_bitmask[:, j]` is 0,
+            in both modes (match: position j's step gets that mask; rejection: p is 0 there, so such
+            a draft is never accepted and the residual never draws it). A grammar engine fills row
+            b's position j with the mask of the state reached after the drafts before j (the masks
+            of positions after a rejection are never read). On a split every rank passes the whole mask.
 
         Returns
         -------
@@ -283,25 +292,25 @@ class Sampler:
         before any state changes; rejection mode on a vocabulary split raises `UnsupportedOnSplit`.
         """
         mode, drafts = self.agreement.check("sample_speculative", lambda: self._check_speculative(
-            target_logits, draft_token_ids, draft_probs, mode))
-        plan = self._check_step(target_logits[:, 0], slots, record)
+            target_logits, draft_token_ids, draft_probs, mode, token_bitmask))
+        plan = self._check_step(target_logits[:, 0], slots, record,
+                                None if token_bitmask is None else token_bitmask[:, 0])
         positions = target_logits.shape[1]
         if plan.batch == 0:
             return SpeculativeOutput(torch.full((0, positions), -1, dtype=torch.int64, device=self.device),
                                      torch.zeros(0, dtype=torch.int64, device=self.device),
                                      torch.ones((0, positions), dtype=torch.bool, device=self.device), None)
         if mode == "match":
-            return verify_match(self.backends, target_logits, drafts, plan, record)
-        check_target_stages(plan)
+            return verify_match(self.backends, target_logits, drafts, plan, record, token_bitmask)
         index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
         stream = int(self.state.stream[index].max())
         if stream >= STREAM_LIMIT:
             raise InvalidSamplingParams("stream", stream, "streams below 2^30 in mode='rejection' (streams "
                                         "from 2^30 up are the reserved noise streams of the verification)")
-        return verify_rejection(self.backends, target_logits, drafts, draft_probs, plan, record)
+        return verify_rejection(self.backends, target_logits, drafts, draft_probs, plan, record, token_bitmask)
 
     def _check_speculative(self, target_logits: Any, draft_token_ids: Any, draft_probs: Any,
-                           mode: Any) -> tuple[str, torch.Tensor]:
+                           mode: Any, token_bitmask: Any = None) -> tuple[str, torch.Tensor]:
         """`sample_speculative`'s own checks (no state change): (mode, drafts as int64 on the device)."""
         layout = self.layout
         width = layout.columns
@@ -346,6 +355,13 @@ class Sampler:
             if draft_probs.device != target_logits.device:
                 raise InvalidSamplingParams("draft_probs.device", draft_probs.device,
                                             f"the device of target_logits ({target_logits.device})")
+        if token_bitmask is not None:
+            if not isinstance(token_bitmask, torch.Tensor) or token_bitmask.dim() != 3 \
+                    or tuple(token_bitmask.shape[:2]) != (batch, positions):
+                raise InvalidSamplingParams("token_bitmask", getattr(token_bitmask, "shape", token_bitmask),
+                                            f"None or an int32 tensor [{batch}, {positions}, W] (one mask per "
+                                            "position)")
+            self._check_bitmask(token_bitmask[:, 0], target_logits[:, 0])
         return mode, drafts
 
     @property

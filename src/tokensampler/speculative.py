@@ -11,9 +11,10 @@
   probability min(1, p(x) / q(x)), p the definition's filtered target distribution (the kept set
   of steps 1-10 and the softmax of z / T over it), q the draft's (one-hot on x without draft
   probabilities); at the first rejection a token is drawn from the normalised residual
-  max(p - q, 0); after K acceptances the bonus token is the canonical one. Torch ops on the
-  logits' device (the torch step's building blocks), one position at a time; the bonus position
-  runs the ordinary backend step.
+  max(p - q, 0); after K acceptances the bonus token is the canonical one. p is built by
+  `target_rows` from the torch step's own stages (`backends/native/stages.py`: every edit the plan
+  needs, bad words and a token bitmask included, then the filters), on the logits' device, one
+  position at a time; the bonus position runs the ordinary backend step.
 
 Both advance the state one position at a time: position j is computed from the slot's history
 with the tokens emitted before it in this call already counted (step 13 after every emitted token).
@@ -27,23 +28,21 @@ path, of match mode, or of a draft model sampled with tokensampler.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .backends import Backends
-from .backends.native import fused, masking, penalties
+from .backends.native import masking, stages
 from .backends.native.argmax import first_argmax
 from .backends.native.config import DEFAULT, NativeConfig
 from .backends.native.indexing import nonzero_ids
 from .backends.native.logprobs import gather_logprobs
 from .core import rng
 from .core.constants import NEG_INF
-from .core.errors import InvalidSamplingParams
 from .core.order import saturate_posinf
 from .core.output import LogprobsOutput, SpeculativeOutput
-from .core.plan import StepPlan, has_penalties
+from .core.plan import StepPlan
 from .state import SamplerState
 
 SPECULATIVE_MODES = ("match", "rejection")
@@ -60,22 +59,6 @@ def accept_stream(stream: torch.Tensor) -> torch.Tensor:
 def residual_stream(stream: torch.Tensor) -> torch.Tensor:
     """The noise stream of the residual distribution's Gumbel noise of requests on `stream`."""
     return stream | RESIDUAL_STREAM_BITS
-
-
-# the plan's stages `target_rows` implements; a plan needing another one is refused in rejection mode
-TARGET_STAGES = frozenset({"penalties", "logit_bias", "allowed_ids", "min_tokens", "min_p", "top_k", "top_p"})
-
-
-def check_target_stages(plan: StepPlan) -> None:
-    """Raise `InvalidSamplingParams` if the rows need a stage of the step that `target_rows` does
-    not build (a boolean field of `StepPlan` outside `TARGET_STAGES` that is set): rejection mode
-    then says so instead of verifying against another distribution. Match mode runs the backend
-    step itself and has every stage."""
-    for item in dataclasses.fields(plan):
-        value = getattr(plan, item.name)
-        if isinstance(value, bool) and value and item.name not in TARGET_STAGES:
-            raise InvalidSamplingParams("mode", "rejection", f"mode='match' for rows that need the step's "
-                                        f"'{item.name}' stage (rejection mode does not build it)")
 
 
 # ------------------------------------------------------------------ the target at one position
@@ -100,42 +83,35 @@ class TargetRows:
 
 
 def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                config: NativeConfig = DEFAULT, keep_raw: bool = False) -> TargetRows:
+                config: NativeConfig = DEFAULT, keep_raw: bool = False,
+                token_bitmask: torch.Tensor | None = None) -> TargetRows:
     """Steps 1-11 for the rows of `logits` at their slots' current state, keeping the final z.
 
     Parameters
     ----------
-    state: the sampler's state (unsplit layout); each row reads its slot's parameters, history,
-        seed, position and stream.
+    state: the sampler's state (unsplit layout); each row reads its slot's parameters, history
+        (penalties, bad words, min_tokens: the tokens recorded so far, drafts accepted in this call
+        included), seed, position and stream.
     logits: [B, Vp], fp32/fp16/bf16, on the state's device.
     index: int64 [B], the slot of each row (`plan.slots` on the device).
     plan: the step plan of these rows.
-    config: the torch step's tunables (the thresholds come from `fused.sample_rows`).
+    config: the torch step's tunables (the thresholds come from `stages.filter_and_draw`).
     keep_raw: also return the raw scores (a copy of the rows).
+    token_bitmask: int32 [B, W >= ceil(V / 32)], this position's token bitmask (xgrammar's layout), or None.
 
     Returns
     -------
     TargetRows: the canonical tokens, the kept sets as the final z (the exact thresholds of the
-    definition, `fused.sample_rows(exact_threshold=True)`), and the raw scores. Nothing is recorded.
+    definition, `exact_threshold=True`), and the raw scores. Nothing is recorded. Every edit of the
+    plan (and the bitmask) is the torch step's own stage (`backends/native/stages.py`).
     """
     st = state
     vocab = st.width
     rows = list(plan.rows)
-    z = masking.prepare_logits_into(torch.empty((len(rows), vocab), dtype=torch.float32, device=logits.device),
-                                    logits)
+    z = stages.clean_logits(torch.empty((len(rows), vocab), dtype=torch.float32, device=logits.device), logits)
     raw = saturate_posinf(z.clone()) if keep_raw else None
-    if plan.allowed_ids:
-        masking.remove_disallowed(z, st.allowed_mask[index])
-    if plan.min_tokens and st.stop_mask is not None:
-        masking.remove_stop_ids(z, st.stop_mask[index], st.output_len[index] < st.min_tokens[index])
-    biased = [b for b, p in enumerate(rows) if p.logit_bias]
-    if biased:
-        z[biased] += st.logit_bias[index[biased]]
-    penalised = [b for b, p in enumerate(rows) if has_penalties(p)]
-    if penalised:
-        slot_list = list(plan.slots)
-        penalties.apply_penalties_rows_(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
-                                        st.output_counts, st.repetition, st.frequency, st.presence)
+    edits = plan.edits(token_bitmask is not None)
+    stages.apply_edits(z, stages.StageRows(st, index, rows, token_bitmask), edits)
     masking.saturate_posinf(z)
     z_max = z.amax(dim=-1)
     valid = z_max > NEG_INF
@@ -154,16 +130,10 @@ def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, 
             z[gone] = NEG_INF
             sampled = [b for b, d in zip(sampled, dead) if not d]
     if sampled:
-        s = index[sampled]
         everyone = len(sampled) == len(rows)
         zs = z if everyone else z[sampled]
-        params = [rows[b] for b in sampled]
-        cols = fused.RowColumns(
-            temperature=st.temperature[s], min_p=st.min_p[s], top_k=st.top_k[s], top_p=st.top_p[s],
-            keys=rng.row_key(st.seed[s], st.position[s], st.stream[s]),
-            any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params), config=config)
-        drawn, tau = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=True)
+        cols = stages.filter_columns(st, index[sampled], [rows[b] for b in sampled], config)
+        drawn, tau = stages.filter_and_draw(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=True)
         zs.masked_fill_(zs < tau[:, None], NEG_INF)
         if not everyone:
             z[sampled] = zs
@@ -213,14 +183,8 @@ class _Collected:
     def __init__(self, batch: int, positions: int, plan: StepPlan, device: torch.device) -> None:
         self.tokens = torch.full((batch, positions), -1, dtype=torch.int64, device=device)
         self.valid = torch.ones((batch, positions), dtype=torch.bool, device=device)
-        self.logprobs = None
-        if plan.wants_logprobs:
-            width = max(plan.logprobs_width, 0)
-            self.logprobs = LogprobsOutput(
-                torch.zeros((batch, positions), dtype=torch.float32, device=device),
-                torch.zeros((batch, positions), dtype=torch.int64, device=device),
-                torch.full((batch, positions, width), -1, dtype=torch.int64, device=device),
-                torch.full((batch, positions, width), NEG_INF, dtype=torch.float32, device=device))
+        self.logprobs = LogprobsOutput.empty((batch, positions), plan.logprobs_width, device) \
+            if plan.wants_logprobs else None
 
     def put(self, j: int, emitted: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
             logprobs: LogprobsOutput | None) -> None:
@@ -245,7 +209,7 @@ def _records(alive: torch.Tensor, record: torch.Tensor | None) -> torch.Tensor:
 
 # ------------------------------------------------------------------ match mode
 def verify_match(backends: Backends, target_logits: torch.Tensor, draft_token_ids: torch.Tensor, plan: StepPlan,
-                 record: torch.Tensor | None = None) -> SpeculativeOutput:
+                 record: torch.Tensor | None = None, token_bitmask: torch.Tensor | None = None) -> SpeculativeOutput:
     """Match mode: the canonical token at each position, emitted while the draft equals it.
 
     Parameters
@@ -255,6 +219,8 @@ def verify_match(backends: Backends, target_logits: torch.Tensor, draft_token_id
     draft_token_ids: int64 [B, K] on the sampler's device, each in [-1, V) (-1: no draft from there).
     plan: the step plan of the rows (checked by the `Sampler`).
     record: optional bool [B]; rows where it is False are verified but their state is left as it was.
+    token_bitmask: optional int32 [B, K+1, W] (xgrammar's layout, checked by the `Sampler`): position
+        j's step removes every id whose bit in `token_bitmask[:, j]` is 0.
 
     Returns
     -------
@@ -270,7 +236,8 @@ def verify_match(backends: Backends, target_logits: torch.Tensor, draft_token_id
     for j in range(positions):
         logits = target_logits[:, j]
         step = backends.choose(logits, plan)
-        result = step.run(logits, plan, _records(alive, record))
+        mask = None if token_bitmask is None else token_bitmask[:, j]
+        result = step.run(logits, plan, _records(alive, record), mask)
         tokens = result.token_ids.clone()  # a backend may reuse its output buffers
         out.put(j, alive, tokens, result.valid, result.logprobs)
         if j == positions - 1:
@@ -313,13 +280,9 @@ def _position_logprobs(rows: TargetRows, tokens: torch.Tensor, plan: StepPlan, l
     """Steps 2 / 12 at the emitted tokens of one position (rows that asked), as the torch step does."""
     if not plan.wants_logprobs:
         return None
-    batch = tokens.shape[0]
     device = tokens.device
     width = max(plan.logprobs_width, 0)
-    out = LogprobsOutput(torch.zeros(batch, dtype=torch.float32, device=device),
-                         torch.zeros(batch, dtype=torch.int64, device=device),
-                         torch.full((batch, width), -1, dtype=torch.int64, device=device),
-                         torch.full((batch, width), NEG_INF, dtype=torch.float32, device=device))
+    out = LogprobsOutput.empty((tokens.shape[0],), width, device)
     asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
     scores = rows.raw if logprobs_mode.startswith("raw") else rows.final
     num = torch.tensor([plan.num_logprobs[b] for b in asked], dtype=torch.int64, device=device)
@@ -332,8 +295,8 @@ def _position_logprobs(rows: TargetRows, tokens: torch.Tensor, plan: StepPlan, l
 
 
 def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_token_ids: torch.Tensor,
-                     draft_probs: torch.Tensor | None, plan: StepPlan, record: torch.Tensor | None = None
-                     ) -> SpeculativeOutput:
+                     draft_probs: torch.Tensor | None, plan: StepPlan, record: torch.Tensor | None = None,
+                     token_bitmask: torch.Tensor | None = None) -> SpeculativeOutput:
     """Rejection mode (Leviathan et al. 2023, Chen et al. 2023) with counter-based noise.
 
     Parameters
@@ -345,6 +308,9 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
     draft_probs: None (one-hot drafts) or float [B, K, Vp] on the device: the draft distribution q
         at each drafted position (columns >= V are ignored; negative and NaN entries count as 0).
     plan: the rows' step plan; record: optional bool [B] (False: verified, state left as it was).
+    token_bitmask: optional int32 [B, K+1, W] (xgrammar's layout): position j's target removes every
+        id whose bit in `token_bitmask[:, j]` is 0 (p is 0 there: such a draft is never accepted,
+        the residual never draws it).
 
     Returns
     -------
@@ -367,7 +333,8 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
     any_sampled = bool(plan.sampled_rows)
     raw_scores = plan.wants_logprobs and logprobs_mode.startswith("raw")
     for j in range(positions - 1):
-        rows = target_rows(st, target_logits[:, j], index, plan, config, keep_raw=raw_scores)
+        mask = None if token_bitmask is None else token_bitmask[:, j]
+        rows = target_rows(st, target_logits[:, j], index, plan, config, keep_raw=raw_scores, token_bitmask=mask)
         drafts = draft_token_ids[:, j]
         verify = alive & (drafts >= 0)
         safe = drafts.clamp(min=0)
@@ -399,6 +366,7 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
             return out.result()
     # the bonus position: the canonical token, from the ordinary step (it records the alive rows)
     logits = target_logits[:, positions - 1]
-    result = backends.choose(logits, plan).run(logits, plan, _records(alive, record))
+    mask = None if token_bitmask is None else token_bitmask[:, positions - 1]
+    result = backends.choose(logits, plan).run(logits, plan, _records(alive, record), mask)
     out.put(positions - 1, alive, result.token_ids.clone(), result.valid, result.logprobs)
     return out.result()

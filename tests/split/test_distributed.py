@@ -21,6 +21,14 @@ from tokensampler.parallel import SamplingDP, sampling_dp
 
 
 # ------------------------------------------------------------------ the merge math
+def test_every_filter_of_the_definition_has_a_split_merge():
+    """A filter added to the plan (`core.plan.FILTER_STAGES`) without its exact merge fails here."""
+    from tokensampler.backends.split.step import SPLIT_FILTERS
+    from tokensampler.core.plan import FILTER_STAGES
+
+    assert tuple(SPLIT_FILTERS) == FILTER_STAGES
+
+
 def test_bisection_rounds_reach_a_single_key():
     assert sel.bisection_rounds(255) == 4
     assert sel.bisection_rounds(15) == 8

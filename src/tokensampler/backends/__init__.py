@@ -5,7 +5,8 @@
 - `split`: the vocabulary split over a group, a few small all-gathers per step.
 
 `Backends.choose` is that place: a sampler whose layout is a slice runs the split step; otherwise
-CUDA logits run the kernels when Triton is importable; everything else runs the torch step. Steps
+CUDA logits run the kernels when Triton is importable and the kernels mirror every stage of the
+plan (`triton.config.covers`); everything else runs the torch step. Steps
 are made on first use and keep their buffers from call to call.
 """
 
@@ -19,7 +20,7 @@ from ..state import SamplerState
 from .base import Step
 from .native.config import NativeConfig
 from .native.step import TorchStep
-from .triton.config import KernelConfig, use_kernels
+from .triton.config import KernelConfig, covers, use_kernels
 
 __all__ = ["Backends", "Step"]
 
@@ -41,7 +42,7 @@ class Backends:
         """The step that runs `plan` on `logits`."""
         if self.state.layout.split:
             return self.split
-        if use_kernels(logits, plan.logprobs_width):
+        if use_kernels(logits, plan.logprobs_width) and covers(plan):
             return self.kernels
         return self.native
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .constants import NEG_INF
+
 
 @dataclass
 class LogprobsOutput:
@@ -23,6 +25,18 @@ class LogprobsOutput:
     token_ranks: torch.Tensor
     top_token_ids: torch.Tensor
     top_logprobs: torch.Tensor
+
+    @classmethod
+    def empty(cls, shape: tuple[int, ...], width: int, device: torch.device | str) -> LogprobsOutput:
+        """The output before any row is filled in: value 0, rank 0, ids -1 and values -inf.
+
+        shape: the leading dims, (B,) for a step or (B, K+1) for a speculative verification; width:
+        N, the top-N entries per position (0 or more)."""
+        width = max(width, 0)
+        return cls(torch.zeros(shape, dtype=torch.float32, device=device),
+                   torch.zeros(shape, dtype=torch.int64, device=device),
+                   torch.full((*shape, width), -1, dtype=torch.int64, device=device),
+                   torch.full((*shape, width), NEG_INF, dtype=torch.float32, device=device))
 
 
 @dataclass

@@ -11,6 +11,13 @@ from typing import Sequence
 
 from .params import SamplingParams
 
+# The definition's edits (steps 3-5) and filters (steps 8-10), in the definition's order, each named
+# by its `StepPlan` flag. "token_bitmask" is the one edit that is a call argument, not a row
+# parameter: `StepPlan.edits(token_bitmask=...)` adds it for a masked call. Every name has one
+# torch implementation in `backends/native/stages.py` (docs/architecture.md, "Adding a stage").
+EDIT_STAGES = ("allowed_ids", "token_bitmask", "bad_words", "min_tokens", "logit_bias", "penalties")
+FILTER_STAGES = ("min_p", "top_k", "top_p")
+
 
 def has_penalties(p: SamplingParams) -> bool:
     """Whether step 5 changes this row: any of the three penalties is not neutral."""
@@ -36,19 +43,31 @@ class StepPlan:
     logprobs_width: int
     bad_words: bool = False  # a row has bad words (step 3, on the slot's recorded output)
 
+    def edits(self, token_bitmask: bool = False) -> tuple[str, ...]:
+        """The edit stages (steps 3-5) some row of this plan needs, in the definition's order
+        (`EDIT_STAGES`); `token_bitmask`: the call passes a token bitmask."""
+        return tuple(name for name in EDIT_STAGES
+                     if (token_bitmask if name == "token_bitmask" else getattr(self, name)))
+
+    @property
+    def filters(self) -> tuple[str, ...]:
+        """The filter stages (steps 8-10) some sampled row of this plan needs, in order (`FILTER_STAGES`)."""
+        return tuple(name for name in FILTER_STAGES if getattr(self, name))
+
     @property
     def plain_greedy(self) -> bool:
         """Every row greedy and no row removes or changes an id (steps 3-6 change nothing): each
-        row's token is the first maximum of its raw logits."""
-        return not (self.sampled_rows or self.penalties or self.logit_bias or self.allowed_ids or self.min_tokens
-                    or self.bad_words)
+        row's token is the first maximum of its raw logits (a call's token bitmask aside)."""
+        return not (self.sampled_rows or self.edits())
 
     @property
     def wants_logprobs(self) -> bool:
+        """Whether some row asked for logprobs."""
         return any(n >= 0 for n in self.num_logprobs)
 
     @property
     def batch(self) -> int:
+        """The number of rows."""
         return len(self.slots)
 
 

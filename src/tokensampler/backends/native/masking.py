@@ -1,5 +1,6 @@
-"""Turning raw logits into float32 `z` with every removed id at `-inf` (steps 1 and 3): NaN and
-padding, allowed ids, the call's token bitmask, bad words, stop ids below min_tokens."""
+"""The helpers of steps 1 and 3 that set removed ids of float32 `z` to `-inf`: NaN and padding, the
+call's token bitmask (the bit unpacking and the table lookup), the bad words matched on the device.
+The stages themselves (which rows, in which order) are `stages.py`."""
 
 from __future__ import annotations
 
@@ -31,17 +32,6 @@ def prepare_logits_into(out: torch.Tensor, logits: torch.Tensor) -> torch.Tensor
 def saturate_posinf(z: torch.Tensor) -> torch.Tensor:
     """The +inf rule (`core.order.saturate_posinf`) in place on clean float32 rows `z` [B, V]."""
     return _saturate(z, out=z)
-
-
-def remove_disallowed(z: torch.Tensor, allowed_mask: torch.Tensor) -> torch.Tensor:
-    """Set every id outside `allowed_mask` (bool [B, V]) to -inf, in place."""
-    return z.masked_fill_(~allowed_mask, NEG_INF)
-
-
-def remove_stop_ids(z: torch.Tensor, stop_mask: torch.Tensor, below_min_tokens: torch.Tensor) -> torch.Tensor:
-    """While a row has generated fewer than min_tokens (`below_min_tokens`, bool [B]), its stop and
-    EOS ids (`stop_mask`, bool [B, V]) are removed; in place."""
-    return z.masked_fill_(stop_mask & below_min_tokens[:, None], NEG_INF)
 
 
 def bitmask_removed(bitmask: torch.Tensor, start: int, width: int, *, invert: bool = True) -> torch.Tensor:

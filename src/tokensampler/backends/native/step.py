@@ -5,16 +5,13 @@ Float32 batches that need no edit before temperature except penalties run on the
 Others, and flat rows, are cut into row blocks of about `NativeConfig.block_elements` logits, each copied once
 into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
 
-1. float32 logits, padding and NaN removed                     `masking.prepare_logits_into`
-3. allowed ids, the call's token bitmask, bad words (on the slot's latest output tokens); stop and
-   EOS ids below min_tokens                                     `masking`: `remove_disallowed`,
-                                                                `remove_by_bitmask`, `banned_tokens`,
-                                                                `remove_stop_ids`
-4. logit bias (rows that have one)                              `z + bias`
-5. penalties (penalised rows, at the ids they have seen)        `penalties.apply_penalties_rows_`
+1. float32 logits, padding and NaN removed                     `stages.clean_logits`
+3.-5. the plan's edits (allowed ids, the call's token bitmask, bad words, stop ids below
+   min_tokens, logit bias, penalties), each one function of   `stages.apply_edits` (block route),
+   `stages`, in the definition's order                        `stages.edit_cells` (direct route)
 6. greedy rows: lowest id among the maxima                      `first_argmax` (no copy if nothing to edit)
 7.-11. temperature, min-p, top-k, top-p as one threshold per row, Gumbel argmax with exact noise
-   only where a token can still win                             `fused.sample_rows`
+   only where a token can still win                             `stages.filter_and_draw`
 2./12. raw or processed logprobs, rows that asked               `logprobs.gather_logprobs`
 
 13. the history update                                         `SamplerState.record_tokens`
@@ -25,25 +22,17 @@ docs/cpu-fast-path.md). The routes and sizes are a `NativeConfig`.
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-from ...core import rng
 from ...core.constants import NEG_INF
 from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
-from ...core.plan import StepPlan, has_penalties
+from ...core.plan import StepPlan
 from ...state import SamplerState
 from . import compile as ts_compile
-from . import fused, logprobs, masking, penalties
+from . import logprobs, masking, stages
 from .argmax import block_maxima, first_argmax
 from .config import DEFAULT, NativeConfig
-from .indexing import read_at, write_at
-
-
-def _positions(rows: Sequence[SamplingParams], pred) -> list[int]:
-    return [b for b, p in enumerate(rows) if pred(p)]
 
 
 class TorchStep:
@@ -87,13 +76,7 @@ class TorchStep:
         rows = list(plan.rows)
         tokens = torch.zeros(batch, dtype=torch.int64, device=device)
         valid = torch.ones(batch, dtype=torch.bool, device=device)
-        result = None
-        if plan.wants_logprobs:
-            width = max(plan.logprobs_width, 0)
-            result = LogprobsOutput(torch.zeros(batch, dtype=torch.float32, device=device),
-                                    torch.zeros(batch, dtype=torch.int64, device=device),
-                                    torch.full((batch, width), -1, dtype=torch.int64, device=device),
-                                    torch.full((batch, width), NEG_INF, dtype=torch.float32, device=device))
+        result = LogprobsOutput.empty((batch,), plan.logprobs_width, device) if plan.wants_logprobs else None
         if self.config.direct_route and token_bitmask is None and self._direct_applies(logits, plan, rows):
             if self._run_direct(logits, index, rows, plan, tokens, valid, result):
                 return SamplerOutput(tokens, valid, result)
@@ -105,15 +88,16 @@ class TorchStep:
         return SamplerOutput(tokens, valid, result)
 
     def _direct_applies(self, logits: torch.Tensor, plan: StepPlan, rows: list[SamplingParams]) -> bool:
-        """The route on the caller's logits: float32 on a CPU, nothing to remove or add before
-        temperature except penalties and bad words (no allowed ids, token bitmask, min_tokens,
-        bias) and no processed logprobs (they read the edited z). Penalties and bad words need
+        """The route on the caller's logits: float32 on a CPU, every edit of the plan one with a
+        cell form (`stages.CELL_EDITS`: bad words, penalties; not allowed ids, a token bitmask,
+        min_tokens or bias) and no processed logprobs (they read the edited z). Cell edits need
         rows that do not share memory (they are written in place and restored)."""
-        edits = plan.allowed_ids or plan.min_tokens or plan.logit_bias
+        edits = plan.edits()
+        cells_only = all(name in stages.CELL_EDITS for name in edits)
         processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
-        if logits.dtype != torch.float32 or edits or processed or logits.device.type != "cpu":
+        if logits.dtype != torch.float32 or not cells_only or processed or logits.device.type != "cpu":
             return False
-        if plan.penalties or plan.bad_words:
+        if edits:
             separate_rows = logits.stride(1) == 1 and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])
             writable = not logits.requires_grad and (not logits.is_inference() or torch.is_inference_mode_enabled())
             return separate_rows and writable
@@ -121,49 +105,24 @@ class TorchStep:
 
     def _run_direct(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
                     tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None) -> bool:
-        """Steps 3 (bad words) and 5-12 on the caller's logits, all rows at once: no workspace
-        copy, no in-place division (values are divided where they are read). Penalised rows get
-        their penalised values written at the ids they have seen, rows with bad words -inf at the
-        ids they ban, and the original values back before returning. Returns False, having changed
-        nothing, when a row needs the block route (NaN or +inf in the logits, a row emptied, a row
-        too flat for a candidate list)."""
+        """Steps 3-12 on the caller's logits, all rows at once: no workspace copy, no in-place
+        division (values are divided where they are read). The plan's cell edits (bad words: -inf
+        at the ids they ban; penalties: the penalised values at the ids a row has seen) are written
+        by `stages.edit_cells` and the original values put back before returning. Returns False,
+        having changed nothing, when a row needs the block route (NaN or +inf in the logits, a row
+        emptied, a row too flat for a candidate list)."""
         z = logits[:, :self.vocab_size]
-        edits = self._penalty_edits(z, index, rows) if plan.penalties else None
-        banned = self._banned_cells(index) if plan.bad_words else None
-        if edits is None and banned is None:
+        names = plan.edits()
+        undo = stages.edit_cells(z, stages.StageRows(self.state, index, rows), names) if names else []
+        if not undo:
             return self._sample_direct(logits, z, index, rows, plan, tokens, valid, result)
-        # every original value is read before anything is written (a banned id may be penalised)
-        originals = [(r, i, read_at(z, r, i)) for r, i in ([edits[:2]] if edits is not None else [])
-                     + ([banned] if banned is not None else [])]
-        if edits is not None:
-            write_at(z, *edits)
-        if banned is not None:
-            write_at(z, *banned, torch.full(banned[0].shape, NEG_INF, dtype=z.dtype, device=z.device))
         try:
             done = self._sample_direct(logits, z, index, rows, plan, tokens, valid, None, edited=True)
         finally:
-            for row_index, ids, original in originals:
-                write_at(z, row_index, ids, original)
+            stages.restore_cells(z, undo)
         if done and result is not None:  # raw scores: after the original values are back
             self._direct_logprobs(logits, tokens, plan, result)
         return done
-
-    def _banned_cells(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(row, id) of every id the bad words of the rows' slots ban this step, or None."""
-        st = self.state
-        if st.bad_words is None:
-            return None
-        recent = None if st.recent_tokens is None else st.recent_tokens[slots]
-        return masking.banned_cells(masking.banned_tokens(st.bad_words[slots], recent))
-
-    def _penalty_edits(self, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams]
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(row_index, ids, penalised values) of the penalised rows of the batch, or None."""
-        st = self.state
-        penalised = _positions(rows, has_penalties)
-        slot_list = index.tolist()
-        return penalties.penalty_edits(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
-                                       st.output_counts, st.repetition, st.frequency, st.presence)
 
     def _sample_direct(self, logits: torch.Tensor, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
                        plan: StepPlan, tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None,
@@ -252,28 +211,13 @@ class TorchStep:
         st = self.state
         block_params = rows[start:stop]
         slots = index[start:stop]
-        z = masking.prepare_logits_into(self._workspace(stop - start), logits[start:stop])
+        z = stages.clean_logits(self._workspace(stop - start), logits[start:stop])
         raw_stats = self._raw_logprob_stats(z, plan, start, stop) if result is not None else None
-        may_empty = (plan.allowed_ids or plan.min_tokens or plan.penalties or plan.logit_bias or plan.bad_words
-                     or token_bitmask is not None)
-        if any(p.allowed_token_ids is not None for p in block_params):
-            masking.remove_disallowed(z, st.allowed_mask[slots])
-        if token_bitmask is not None:  # the block's bits, applied while its copy is in cache
-            masking.remove_by_bitmask(z, token_bitmask[start:stop], buffer=self._dense_buffer)
-        if any(p.bad_words_token_ids for p in block_params):
-            banned = self._banned_cells(slots)
-            if banned is not None:
-                write_at(z, *banned, torch.full(banned[0].shape, NEG_INF, dtype=z.dtype, device=z.device))
-        if any(p.min_tokens > 0 for p in block_params) and st.stop_mask is not None:
-            masking.remove_stop_ids(z, st.stop_mask[slots], st.output_len[slots] < st.min_tokens[slots])
-        biased = _positions(block_params, lambda p: bool(p.logit_bias))
-        if biased:
-            z[biased] += st.logit_bias[slots[biased]]
-        penalised = _positions(block_params, has_penalties)
-        if penalised:
-            slot_list = slots.tolist()
-            penalties.apply_penalties_rows_(z, penalised, [slot_list[b] for b in penalised], st.prompt_mask,
-                                            st.output_counts, st.repetition, st.frequency, st.presence)
+        edits = plan.edits(token_bitmask is not None)
+        may_empty = bool(edits)
+        if edits:  # the block's bits are applied while its copy is in cache
+            mask = None if token_bitmask is None else token_bitmask[start:stop]
+            stages.apply_edits(z, stages.StageRows(st, slots, block_params, mask, self._dense_buffer), edits)
         z_max = z.amax(dim=-1)
         if bool(torch.isposinf(z_max).any()):
             masking.saturate_posinf(z)
@@ -318,19 +262,13 @@ class TorchStep:
                      block_params: list[SamplingParams], sampled: list[int], processed: bool,
                      in_place: bool = True) -> torch.Tensor | None:
         """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block
-        (None: `fused.sample_rows` declined the direct form)."""
-        st = self.state
+        (None: `stages.filter_and_draw` declined the direct form)."""
         everyone = len(sampled) == z.shape[0]
         zs = z if everyone else z[sampled]
-        params = [block_params[b] for b in sampled]
-        s = slots if everyone else slots[sampled]
-        cols = fused.RowColumns(
-            temperature=st.temperature[s], min_p=st.min_p[s], top_k=st.top_k[s], top_p=st.top_p[s],
-            keys=rng.row_key(st.seed[s], st.position[s], st.stream[s]),
-            any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
-            any_top_p=any(p.top_p < 1.0 for p in params), dense_buffer=self._dense_buffer, config=self.config)
-        drawn = fused.sample_rows(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed,
-                                  in_place=in_place)
+        cols = stages.filter_columns(self.state, slots if everyone else slots[sampled],
+                                     [block_params[b] for b in sampled], self.config, self._dense_buffer)
+        drawn = stages.filter_and_draw(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed,
+                                       in_place=in_place)
         if drawn is None:
             return None
         tokens, tau = drawn

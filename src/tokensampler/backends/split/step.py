@@ -31,7 +31,7 @@ from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...parallel.transport import Exchange
 from ...state import SamplerState
-from ..native import masking, penalties
+from ..native import stages
 from . import merge as sel
 
 DEFAULT_TOP_P_PIVOTS = 255
@@ -52,33 +52,16 @@ def _saturated_value(value: torch.Tensor, has_posinf: torch.Tensor) -> torch.Ten
 def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                  token_bitmask: torch.Tensor | None = None):
     """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf.
-    The token bitmask is read at this rank's bits (global ids offset..); bad words ban global ids,
-    each removed on the rank that holds it."""
-    st = split.state
-    z = logits.to(torch.float32, copy=True)
-    z.masked_fill_(torch.isnan(z) | split.padding[None, :], NEG_INF)
-    edits = (plan.allowed_ids or token_bitmask is not None or (plan.bad_words and st.bad_words is not None)
-             or (plan.min_tokens and st.stop_mask is not None) or plan.logit_bias or plan.penalties)
+    The edits are the torch step's own stages (`native.stages.apply_edits`) on this rank's slice
+    state: the token bitmask is read at this rank's bits (global ids offset..); bad words ban
+    global ids, each removed on the rank that holds it."""
+    z = stages.clean_logits(torch.empty(logits.shape, dtype=torch.float32, device=logits.device), logits,
+                            split.padding if split.has_padding else None)
+    edits = plan.edits(token_bitmask is not None)
     if not edits:  # nothing below changes z: the raw rows are the same tensor
         return z, z
     raw = z.clone()
-    if plan.allowed_ids:
-        z.masked_fill_(~st.allowed_mask[index], NEG_INF)
-    if token_bitmask is not None:
-        masking.remove_by_bitmask(z, token_bitmask, split.offset)
-    if plan.bad_words and st.bad_words is not None:
-        recent = None if st.recent_tokens is None else st.recent_tokens[index]
-        cells = masking.banned_cells(masking.banned_tokens(st.bad_words[index], recent), split.offset, split.width)
-        if cells is not None:
-            z[cells] = NEG_INF
-    if plan.min_tokens and st.stop_mask is not None:
-        below = st.output_len[index] < st.min_tokens[index]
-        z.masked_fill_(st.stop_mask[index] & below[:, None], NEG_INF)
-    if plan.logit_bias:
-        z = z + st.logit_bias[index]
-    if plan.penalties:
-        z = penalties.apply_penalties(z, st.prompt_mask[index], st.output_counts[index],
-                                      st.repetition[index], st.frequency[index], st.presence[index])
+    stages.apply_edits(z, stages.StageRows(split.state, index, plan.rows, token_bitmask), edits)
     return raw, z
 
 
@@ -132,21 +115,37 @@ def _scores(zs: torch.Tensor, keys: torch.Tensor, global_ids: torch.Tensor) -> t
     return score
 
 
+def _min_p(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, k_max: int) -> None:
+    """min-p, local: the row max is the gathered one."""
+    zs.masked_fill_(torch.exp(zs - row_max[:, None]) < split.state.min_p[slots][:, None], NEG_INF)
+
+
+def _top_k(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, k_max: int) -> None:
+    """top-k: the k-th largest value merged from each rank's candidates (one all-gather)."""
+    if k_max > 0:
+        candidates = sel.local_top_values(zs, min(k_max, split.width))
+        kth = sel.merge_kth_largest(split.exchange.all_gather(candidates), split.state.top_k[slots])
+        zs.masked_fill_(zs < kth[:, None], NEG_INF)
+
+
+def _top_p(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, k_max: int) -> None:
+    """top-p: the threshold by bisection over the gathered masses (`_top_p_threshold`)."""
+    top_p = split.state.top_p[slots].to(torch.float64)
+    threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
+    zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+
+
+# the split's exact merge of each filter of the definition (`core.plan.FILTER_STAGES`; a filter
+# added to the definition needs its merge here: tests/split/test_distributed.py checks the names)
+SPLIT_FILTERS = {"min_p": _min_p, "top_k": _top_k, "top_p": _top_p}
+
+
 def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,
             k_max: int) -> torch.Tensor:
-    """min-p (local: the row max is known), top-k (one all-gather of each rank's candidates) and
-    top-p (bisection) on the sampled rows `zs` [S, width], in place; `row_max` is their global max."""
-    st = split.state
-    if plan.min_p:
-        zs.masked_fill_(torch.exp(zs - row_max[:, None]) < st.min_p[slots][:, None], NEG_INF)
-    if plan.top_k and k_max > 0:
-        candidates = sel.local_top_values(zs, min(k_max, split.width))
-        kth = sel.merge_kth_largest(split.exchange.all_gather(candidates), st.top_k[slots])
-        zs.masked_fill_(zs < kth[:, None], NEG_INF)
-    if plan.top_p:
-        top_p = st.top_p[slots].to(torch.float64)
-        threshold = _top_p_threshold(split, zs, torch.exp(zs - row_max[:, None]), row_max, top_p)
-        zs.masked_fill_((top_p < 1.0)[:, None] & (zs < threshold[:, None]), NEG_INF)
+    """The plan's filters (min-p, top-k, top-p, in order, `SPLIT_FILTERS`) on the sampled rows `zs`
+    [S, width], in place; `row_max` is their global max."""
+    for name in plan.filters:
+        SPLIT_FILTERS[name](split, zs, row_max, slots, k_max)
     return zs
 
 
@@ -305,6 +304,7 @@ class SplitStep:
         self.top_p_candidates = top_p_candidates
         self.global_ids = layout.global_ids(self.device)
         self.padding = self.global_ids >= self.vocab_size
+        self.has_padding = layout.real_width < layout.columns  # some of this rank's columns are padding
 
     def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
             token_bitmask: torch.Tensor | None = None) -> SamplerOutput:

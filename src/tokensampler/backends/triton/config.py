@@ -4,7 +4,9 @@
 or the torch step: Triton for CUDA logits when Triton is importable, unless
 `TOKENSAMPLER_BACKEND=torch`; `TOKENSAMPLER_BACKEND=triton` forces the kernels, which on CPU
 tensors needs `TRITON_INTERPRET=1` (how the tests run them without a GPU). The kernels return
-logprobs for N <= 20; a step whose batch asks more runs the torch step.
+logprobs for N <= 20; a step whose batch asks more runs the torch step. `KERNEL_STAGES` names the
+stages the kernels mirror; a plan that needs another one runs the torch step too (`covers`: the
+hand-off of a stage that has no mirror yet, docs/architecture.md "Adding a stage").
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import torch
 
 from ...core.checks import check_int
 from ...core.errors import InvalidEnvironment, InvalidSamplingParams
+from ...core.plan import EDIT_STAGES, FILTER_STAGES, StepPlan
 
 BACKEND_ENV = "TOKENSAMPLER_BACKEND"
 BACKENDS = ("auto", "torch", "triton")
 MAX_KERNEL_LOGPROBS = 20
+# the stages of the definition the kernels mirror bit for bit (`kernels.prepare_kernel`: the edits,
+# `kernels.select_kernel`: the filters); a stage added without a mirror is left out of this set
+KERNEL_STAGES = frozenset(EDIT_STAGES + FILTER_STAGES)
 
 _triton_found: bool | None = None
 
@@ -57,6 +63,12 @@ def use_kernels(logits: torch.Tensor, logprobs_width: int) -> bool:
         raise InvalidEnvironment(BACKEND_ENV, backend, "triton only with Triton installed and CUDA logits "
                                  "(CPU logits need TRITON_INTERPRET=1)")
     return True
+
+
+def covers(plan: StepPlan) -> bool:
+    """Whether the kernels mirror every stage `plan` needs (`KERNEL_STAGES`); if not, the step is
+    handed to the torch step, whose `stages` implement every stage."""
+    return KERNEL_STAGES.issuperset(plan.edits() + plan.filters)
 
 
 MAX_SPLITS = 64
