@@ -66,29 +66,45 @@ PLANS = {
 }
 
 
-def test_no_environment_read_on_the_per_call_path(monkeypatch):
-    """A Sampler (torch step, eager) and a SamplingGenerator are made; then `os.environ` records
-    every access while several plans are sampled and a generator decodes: nothing is read."""
-    vocab = 300
-    sampler = Sampler(vocab, max_slots=4, backend="torch", compile=False)
+@pytest.mark.parametrize("compiled", [False, True])
+def test_no_environment_read_on_the_per_call_path(monkeypatch, compiled):
+    """A Sampler (torch step, eager or compiled) and a SamplingGenerator are made; then `os.environ`
+    records every access while several plans are sampled and a generator decodes: nothing is read.
+    (Compiled: the calls run once first, so that each compiled function has prepared its variants;
+    preparing one reads inductor's cache directory, as `Sampler.warmup` does before serving.)"""
+    vocab = 3000
+    sampler = Sampler(vocab, max_slots=4, backend="torch", compile=compiled)
     for slot, params in enumerate(PLANS.values()):
         sampler.add_request(slot, params, [1, 2, 3], output_token_ids=[4, 5])
     generator = SamplingGenerator(vocab, max_batch_size=4, device="cpu", backend="torch", compile=False)
     generator.apply_prefill_state(sampling_params=BatchSamplingParams.from_requests(list(PLANS.values())),
                                   prompt_tokens=torch.full((4, 3), 7), empty_slots=[0, 1, 2, 3])
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0))
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 3
+
+    def calls():
+        for slot in range(4):  # each plan alone, then all together
+            sampler.sample(logits[slot:slot + 1], [slot])
+        sampler.sample(logits)
+        sampler.sample(logits.to(torch.bfloat16))
+        tokens, logprobs = generator.sample(logits)
+        generator.apply_decode_state(BatchSamplingParams(), reload_sampling_params=False,
+                                     reset_sampling_state=False)
+        generator.sample(logits)
+        return tokens, logprobs
+
+    def compiled_calls() -> int:
+        return sum(sum(per_layout.values()) for per_layout in compile_cache.call_counts().values())
+
+    if compiled:
+        calls()
+    before = compiled_calls()
     recorder = RecordingEnviron(os.environ)
     monkeypatch.setattr(os, "environ", recorder)
-    for slot in range(4):  # each plan alone, then all together
-        sampler.sample(logits[slot:slot + 1], [slot])
-    sampler.sample(logits)
-    sampler.sample(logits.to(torch.bfloat16))
-    tokens, logprobs = generator.sample(logits)
-    generator.apply_decode_state(BatchSamplingParams(), reload_sampling_params=False, reset_sampling_state=False)
-    generator.sample(logits)
+    tokens, logprobs = calls()
     monkeypatch.undo()
     assert recorder.reads == [], sorted(set(recorder.reads))
     assert tokens.shape == (4,) and logprobs is not None
+    assert (compiled_calls() > before) is compiled  # the compiled functions ran (only when compiled)
 
 
 def test_the_environment_is_the_default_read_once_and_an_argument_wins(monkeypatch):

@@ -105,7 +105,11 @@ def _probed_isa():
     if not (artefact_dir() / "isa-checked").exists():
         yield
         return
-    with torch_private.vec_isa_assumed_ok():
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch_private.vec_isa_assumed_ok())
+        except Exception as error:  # noqa: BLE001 - a private API: the load probes the ISA itself
+            torch_private.warn_fallback("loads probe the vector ISA again", error)
         yield
 
 

@@ -90,9 +90,13 @@ def size_oblivious() -> contextlib.AbstractContextManager:
     """While tracing: dynamic sizes backed (inductor schedules with the example's sizes as hints)
     but not specialised to 0 or 1, so that one graph serves every row count (with the row count
     unbacked instead, inductor's loops over a row ran several times slower: the dense route's race
-    pass, 8.7 against 0.6 ms on 12 x 151,936). A no-op where torch has no such switch."""
+    pass, 8.7 against 0.6 ms on 12 x 151,936). Where torch has no such switch: a no-op and one
+    warning (sizes 0 and 1 are then specialised: calls of other sizes may run eagerly, counted as
+    guard refusals)."""
     import torch.fx.experimental._config as fx_config
     if not hasattr(fx_config, "backed_size_oblivious"):
+        warn_fallback("row counts 0 and 1 are specialised", AttributeError(
+            "torch.fx.experimental._config has no attribute 'backed_size_oblivious'"))
         return contextlib.nullcontext()
     return fx_config.patch(backed_size_oblivious=True)
 
