@@ -34,6 +34,7 @@ INTERPRET_ENV = "TRITON_INTERPRET"
 BACKENDS = ("auto", "torch", "triton")
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
+
 def _environ_backend(environ: Mapping[str, str]) -> str:
     name = environ.get(BACKEND_ENV, "").strip().lower() or "auto"
     if name not in BACKENDS:
