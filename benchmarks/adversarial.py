@@ -9,8 +9,8 @@ ids; bad words; token bitmasks; seeds, positions and streams at the ends of thei
 in every mode. A few values are deliberately invalid: the library must reject exactly those. Paths:
 
     sample   `tokensampler.sample`: stateless, one call per case, the default backend
-    torch    `Sampler` on the torch step (TOKENSAMPLER_BACKEND=torch), several steps, a random NativeConfig
-    kernels  `Sampler` on the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1)
+    torch    `Sampler(backend="torch")`: the torch step, several steps, a random NativeConfig
+    kernels  `Sampler(backend="triton")`: the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1)
     split2   `Sampler` with the vocabulary split over 2 ranks (one thread per rank, in-process all-gather)
     split3   the same over 3 ranks
 
@@ -29,7 +29,6 @@ reruns it and prints every finding.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import datetime
 import json
@@ -43,13 +42,13 @@ import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
 from tokensampler import Sampler, SamplerOutput, SamplingParams, TokenSamplerError, sample
 from tokensampler.backends.native.config import NativeConfig
-from tokensampler.backends.triton.config import BACKEND_ENV, KernelConfig
+from tokensampler.backends.triton.config import KernelConfig
 from tokensampler.core import rng
 from tokensampler.core.order import saturate_posinf
 from tokensampler.core.output import LogprobsOutput
@@ -974,21 +973,7 @@ def _row_text(out: SamplerOutput, b: int) -> str:
 
 
 # ------------------------------------------------------------------ the paths' engines
-@contextlib.contextmanager
-def backend_env(value: str | None) -> Iterator[None]:
-    """TOKENSAMPLER_BACKEND for the calls inside (None: unset, the default choice)."""
-    before = os.environ.get(BACKEND_ENV)
-    if value is None:
-        os.environ.pop(BACKEND_ENV, None)
-    else:
-        os.environ[BACKEND_ENV] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(BACKEND_ENV, None)
-        else:
-            os.environ[BACKEND_ENV] = before
+COMPILE = {"compile": False}  # the samplers' torch.compile choice (--compile), passed to each of them
 
 
 class RanksDisagree(Exception):
@@ -1007,10 +992,12 @@ class Engine:
         kw: dict[str, Any] = dict(max_slots=case.max_slots, padded_vocab_size=case.padded,
                                   logprobs_mode=case.mode, max_logprobs=case.max_logprobs,
                                   eos_token_ids=list(case.eos))
-        self.backend = {"torch": "torch", "kernels": "triton"}.get(case.path)
+        kw["compile"] = COMPILE["compile"]
         self.world = case.world
         if self.world == 1:
-            self.samplers = [Sampler(case.vocab, native_config=case.native, kernel_config=case.kernel, **kw)]
+            backend = {"torch": "torch", "kernels": "triton"}.get(case.path, "auto")
+            self.samplers = [Sampler(case.vocab, native_config=case.native, kernel_config=case.kernel,
+                                     backend=backend, **kw)]
         else:
             self.hub = ThreadHub(self.world)
             self.samplers = self._on_ranks(lambda rank, _: Sampler(
@@ -1064,7 +1051,7 @@ class Engine:
                bitmask: torch.Tensor | None) -> SamplerOutput:
         mask = None if record is None else torch.tensor(record, dtype=torch.bool)
         if self.world == 1:
-            with backend_env(self.backend), warnings.catch_warnings():
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RuntimeWarning)  # Triton's interpreter: numpy overflow notes
                 out = self.samplers[0].sample(logits, slots, record=mask, token_bitmask=bitmask)
             return _copy(out)  # the kernels return views of buffers they reuse
@@ -1311,7 +1298,7 @@ class Runner:
         before = logits.clone() if isinstance(logits, torch.Tensor) else None
         self.tally.calls += 1
         try:
-            out = sample(logits, rows, **args)
+            out = sample(logits, rows, **args, compile=COMPILE["compile"])
         except TokenSamplerError as exc:
             if expect is None and not bad_history:
                 self.tally.rejected_valid += 1
@@ -1458,11 +1445,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-scale", type=int, default=1, help="cases of 2048 rows or more run this many times "
                         "more steps (default 1; part of a case's definition, so give it to --case too)")
     parser.add_argument("--compile", action="store_true", help="the torch step's compiled reductions "
-                        "(default: eager, TOKENSAMPLER_COMPILE=0)")
+                        "(default: eager, every sampler made with compile=False)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ["TOKENSAMPLER_COMPILE"] = "1" if args.compile else "0"
+    COMPILE["compile"] = args.compile
     started = datetime.datetime.now(datetime.timezone.utc)
     if args.case:
         path, index = args.case.split(":")

@@ -8,7 +8,7 @@ Per case (same logits tensor for every arm, arms alternating within each round):
   copy_floor     device-to-device copy of the logits (the bytes every method must read once)
   amax_floor     `logits.amax(-1)` (the single-pass floor)
   kernels        `Sampler.sample` on the Triton step (the default for CUDA logits)
-  torch_sampler  `Sampler.sample` with TOKENSAMPLER_BACKEND=torch (eager: it is not graph-safe)
+  torch_sampler  `Sampler(backend="torch").sample` (eager: it is not graph-safe)
   sort_pipeline  the textbook sort/cumsum/multinomial step of `tokensampler.tools.bench`
   flashinfer     `flashinfer.sampling.top_k_top_p_sampling_from_logits` (cases with top-k or top-p,
                  when FlashInfer is installed)
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -36,7 +35,6 @@ try:
 except ImportError:  # run from a checkout without PYTHONPATH=src
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from tokensampler.backends.triton.config import BACKEND_ENV  # noqa: E402
 from tokensampler.tools import bench  # noqa: E402
 
 DEFAULT_JSON = Path(__file__).resolve().parent / "gpu.json"
@@ -77,17 +75,6 @@ class Arm:
         return start.elapsed_time(end) / iters
 
 
-def on_torch_backend(fn: Callable[[], object]) -> Callable[[], object]:
-    """`fn` run with TOKENSAMPLER_BACKEND=torch (the Sampler's torch step on CUDA logits)."""
-    def run():
-        os.environ[BACKEND_ENV] = "torch"
-        try:
-            return fn()
-        finally:
-            os.environ[BACKEND_ENV] = "auto"
-    return run
-
-
 def flashinfer_step(case: bench.BenchCase, logits: torch.Tensor):
     """The FlashInfer arm for cases with top-k or top-p (None otherwise or when not installed)."""
     p = case.params
@@ -111,10 +98,9 @@ def run_case(case: bench.BenchCase, rounds: int, iters: int, device: torch.devic
     device = device or torch.device("cuda")
     logits = bench.make_logits(case.batch, case.vocab, flat=case.flat, device=device)
     prompts, outputs = bench.make_histories(case)
-    os.environ[BACKEND_ENV] = "auto"
     equal, rows = bench.check_against_reference(case, logits, prompts, outputs, device)
     copy_target = torch.empty_like(logits)
-    kernel_sampler = bench.build_sampler(case, device, prompts, outputs)
+    kernel_sampler = bench.build_sampler(case, device, prompts, outputs, backend="auto")
     counts = prompt_mask = None
     if case.history:
         counts = torch.zeros(case.batch, case.vocab, device=device)
@@ -139,8 +125,8 @@ def run_case(case: bench.BenchCase, rounds: int, iters: int, device: torch.devic
         except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the other arms still run
             errors[name] = f"{type(exc).__name__}: {exc}"
     try:
-        torch_sampler = bench.build_sampler(case, device, prompts, outputs)
-        arms["torch_sampler"] = Arm(on_torch_backend(lambda: torch_sampler.sample(logits)), graph=False)
+        torch_sampler = bench.build_sampler(case, device, prompts, outputs, backend="torch")
+        arms["torch_sampler"] = Arm(lambda: torch_sampler.sample(logits), graph=False)
     except Exception as exc:  # noqa: BLE001
         errors["torch_sampler"] = f"{type(exc).__name__}: {exc}"
     runs: dict[str, list[float]] = {name: [] for name in arms}

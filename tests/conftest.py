@@ -3,8 +3,10 @@
 - no network: Hugging Face runs offline;
 - without CUDA the Triton kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, which Triton
   reads when it is first imported, so it is set before anything imports it);
-- each test runs the eager CPU path unless it asks for torch.compile itself
-  (`monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")`) or the environment sets TOKENSAMPLER_COMPILE;
+- samplers are eager by default (compiling costs minutes on a 2-core machine): TOKENSAMPLER_COMPILE
+  defaults to 0 for the session (the default a `Sampler` reads when it is made with `compile=None`;
+  a TOKENSAMPLER_COMPILE set by the caller is kept). A test that wants torch.compile passes
+  `compile=True`, and a test picks a backend with `backend=...`: no test sets these variables;
 - under CI the hypothesis examples are a fixed sequence.
 """
 
@@ -20,13 +22,8 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("TOKENSAMPLER_COMPILE", "0")
     settings.register_profile("ci", derandomize=True, print_blob=True)
     if os.environ.get("CI"):
         settings.load_profile("ci")
 
-
-@pytest.fixture(autouse=True)
-def eager_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The eager path by default (compiling costs minutes on a 2-core machine)."""
-    if "TOKENSAMPLER_COMPILE" not in os.environ:
-        monkeypatch.setenv("TOKENSAMPLER_COMPILE", "0")

@@ -98,17 +98,16 @@ def test_top_k_and_min_tokens_beyond_int64(top_k, min_tokens):
 
 
 @pytest.mark.parametrize("kw", [{"min_p": 0.5}, {"top_k": 30}])
-def test_top_p_histogram_of_a_row_spanning_less_than_a_float32_step(monkeypatch, kw):
+def test_top_p_histogram_of_a_row_spanning_less_than_a_float32_step(kw):
     """A kept span below bins / 3.4e38 (here ~1.8e-37: z / T with a huge T) made the histogram's
     scale inf and the value at its lower end 0 * inf = NaN, no bin: bincount raised RuntimeError."""
-    monkeypatch.setenv("TOKENSAMPLER_BACKEND", "torch")
     a, b, ninf = 8.816208191686542e-38, 2.938735877055719e-39, float("-inf")
     row = [0.0, -a, -a, 0.0, a, a, ninf, a, -a, 0.0, 0.0, a, 0.0, a, 0.0, -a, a, a, -a, 0.0, -a, -a, 0.0, 0.0, a, -a,
            -8.228461016275398e-38, b, ninf, -a, a, b, a]
     logits = torch.tensor([row])
     params = SamplingParams(seed=5, top_p=0.5, **kw)
     config = NativeConfig(direct_route=False, candidate_cap=2, dense_bracket_cap=1, dense_block=3, block_elements=7)
-    sampler = Sampler(len(row), max_slots=1, native_config=config)
+    sampler = Sampler(len(row), max_slots=1, native_config=config, backend="torch")
     sampler.add_request(0, params, [])
     want = reference_sample(logits, [ReferenceRequest(params, 5, 0)])
     assert sampler.sample(logits).token_ids.tolist() == want.token_ids.tolist()
@@ -141,15 +140,14 @@ def test_split_row_emptied_by_the_temperature_is_invalid(world):
         assert torch.equal(out.logprobs.token_ranks, want.logprobs.token_ranks)
 
 
-def test_kernel_logprobs_keep_their_precision_far_from_zero(monkeypatch):
+def test_kernel_logprobs_keep_their_precision_far_from_zero():
     """The kernels computed s - (max + log total) in float32: at |z| ~ 1e5 the value lost log total
     to rounding (-3.21875 for -log 25 = -3.2188759)."""
     pytest.importorskip("triton")
-    monkeypatch.setenv("TOKENSAMPLER_BACKEND", "triton")
     logits = torch.tensor([[93622.86] * 25 + [0.0]])
     for mode in ("raw_logprobs", "processed_logprobs"):
         params = SamplingParams(seed=3, logprobs=2)
-        sampler = Sampler(26, max_slots=1, logprobs_mode=mode)
+        sampler = Sampler(26, max_slots=1, logprobs_mode=mode, backend="triton")
         sampler.add_request(0, params, [])
         got = sampler.sample(logits).logprobs
         want = reference_sample(logits, [ReferenceRequest(params, 3, 0)], logprobs_mode=mode).logprobs

@@ -80,14 +80,17 @@ PUBLIC_PATHS = {
     "tokensampler": ["Sampler", "sample", "SamplingParams", "SamplerOutput", "LogprobsOutput", "InvalidSamplingParams",
                      "InvalidRequest", "GenerationDefaults", "load_generation_defaults", "resolve_request",
                      "SamplingGenerator", "StaleSamplingState", "BatchSamplingParams", "SeedManager",
-                     "format_sampling_params", "rank_local_slot_remap", "TokenSamplerError", "SplitMismatch"],
+                     "format_sampling_params", "rank_local_slot_remap", "TokenSamplerError", "SplitMismatch",
+                     "CompileFallbackWarning"],
     "tokensampler.engine": ["SamplingGenerator", "BatchSamplingParams", "SeedManager", "format_sampling_params",
                             "rank_local_slot_remap"],
     "tokensampler.engine.generator": ["StaleSamplingState", "TraceMismatch"],
     "tokensampler.serving": ["GenerationDefaults", "load_generation_defaults", "resolve_request"],
     "tokensampler.serving.generation_config": ["InvalidRequest", "InvalidCheckpoint"],
     "tokensampler.parallel": ["Exchange", "TorchExchange", "SamplingDP", "sampling_dp", "as_exchange"],
-    "tokensampler.backends.triton": ["KernelConfig", "use_kernels", "triton_available", "BACKEND_ENV"],
+    "tokensampler.backends.triton": ["KernelConfig", "triton_available", "MAX_KERNEL_LOGPROBS"],
+    "tokensampler.backends": ["Backends", "BackendChoice", "Step"],
+    "tokensampler.backends.choice": ["BackendChoice", "resolve_names", "BACKEND_ENV", "COMPILE_ENV", "BACKENDS"],
 }
 
 

@@ -11,6 +11,7 @@ import warnings
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from .core.errors import (
+                          CompileFallbackWarning,
                           InvalidCheckpoint,
                           InvalidEnvironment,
                           InvalidRequest,
@@ -39,7 +40,8 @@ from .sampler import Sampler, sample
 from .serving.generation_config import GenerationDefaults, load_generation_defaults, resolve_request
 
 __all__ = [
-    "BatchSamplingParams", "GenerationDefaults", "InvalidCheckpoint", "InvalidEnvironment", "InvalidRequest",
+    "BatchSamplingParams", "CompileFallbackWarning", "GenerationDefaults", "InvalidCheckpoint", "InvalidEnvironment",
+    "InvalidRequest",
     "InvalidSamplingParams", "InvalidSlotRemap", "LogprobsOutput", "Sampler", "SamplerOutput", "SamplingGenerator",
     "SamplingParams", "SeedManager", "SpeculativeOutput", "SplitMismatch", "StaleSamplingState", "TokenSamplerError",
     "TraceKey", "TraceMismatch", "UnsupportedOnSplit", "broadcast_sampling_params", "chunk_sampling_params",

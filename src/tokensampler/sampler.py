@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .backends import Backends
+from .backends import BackendChoice, Backends
 from .backends.native.config import NativeConfig
 from .backends.triton.config import KernelConfig
 from .core import rng
@@ -48,15 +48,26 @@ class Sampler:
       vocabulary is split: each rank passes its slice [B, padded_vocab_size / world] and every
       rank gets the same output (see docs/distributed.md).
     native_config, kernel_config: tunables of the torch step and of the Triton kernels.
+    backend: "auto" (CUDA logits run the Triton kernels when Triton is importable, else the torch
+      step), "torch" or "triton" (forced; CPU tensors need TRITON_INTERPRET=1); None (default): the
+      TOKENSAMPLER_BACKEND environment variable, "auto" when unset.
+    compile: the torch step's full-row reductions through torch.compile (True) or eager (False),
+      the same tokens either way; None (default): TOKENSAMPLER_COMPILE (0/false/no/off: eager; on
+      when unset).
+    Both are decided here, once (`backends.choice.BackendChoice`, kept as `backends.choice`): an
+    explicit argument wins, the environment is only the default, and no later call reads it.
     """
 
     def __init__(self, vocab_size: int, *, max_slots: int, device: torch.device | str = "cpu",
                  padded_vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
                  max_logprobs: int = 20, eos_token_ids: Sequence[int] = (), group: Any = None,
-                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None) -> None:
+                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None,
+                 backend: str | None = None, compile: bool | None = None) -> None:
         self.device = check_device("device", device)
         self.agreement = Agreement.over(group, self.device)
         world = self.agreement.world_size
+
+        choices: list[BackendChoice] = []
 
         def check() -> tuple:
             check_int("vocab_size", vocab_size, 1)
@@ -74,6 +85,8 @@ class Sampler:
                                        ("kernel_config", kernel_config, KernelConfig)):
                 if config is not None and not isinstance(config, kind):
                     raise InvalidSamplingParams(name, config, f"None or a {kind.__name__}")
+            # the environment is read here only; kept out of what the ranks compare (it changes no token)
+            choices.append(BackendChoice.resolve(backend, compile, self.device))
             return vocab_size, padded, max_slots, logprobs_mode, max_logprobs, tuple(eos)
 
         # every rank builds the same sampler, or every rank raises (one all-gather, before any state)
@@ -83,7 +96,8 @@ class Sampler:
         self.layout = VocabLayout(self.vocab_size, self.padded_vocab_size, self.agreement.rank, world,
                                   sliced=self.agreement.shared)
         self.state = SamplerState(self.max_slots, self.layout, self.device)
-        self.backends = Backends(self.state, self.logprobs_mode, self.agreement, native_config, kernel_config)
+        self.backends = Backends(self.state, self.logprobs_mode, self.agreement, native_config, kernel_config,
+                                 choices[0])
         self._row_keys: dict[int, tuple[SamplingParams, int]] = {}  # id(params) -> (params, hash)
         self._default_plan: StepPlan | None = None  # the last plan of rows 0..B-1 (slots=None, unshared)
 
@@ -373,7 +387,7 @@ class Sampler:
         """Compile (or load from inductor's on-disk cache) every graph the torch step can need, for
         every batch size and parameter mix, so that no later `sample` call compiles anything or
         stalls (`backends.native.warmup`). Changes no state of this sampler. Returns {"seconds",
-        "steps"}; nothing to do without torch.compile (TOKENSAMPLER_COMPILE=0) or on a split."""
+        "steps"}; nothing to do without torch.compile (`compile=False`) or on a split."""
         return self.backends.warmup()
 
     # ---------------------------------------------------------------- checks
@@ -504,7 +518,8 @@ def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParam
            output_token_ids: Sequence[Sequence[int]] | None = None,
            positions: Sequence[int] | None = None, vocab_size: int | None = None,
            logprobs_mode: str = "raw_logprobs", eos_token_ids: Sequence[int] = (),
-           token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
+           token_bitmask: torch.Tensor | None = None, backend: str | None = None,
+           compile: bool | None = None) -> SamplerOutput:
     """Sample one token per row of `logits` ([B, Vp]) with no state kept between calls: equal to a
     fresh `Sampler` holding the rows.
 
@@ -514,6 +529,8 @@ def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParam
     vocab_size: the real vocabulary (default Vp: no padding).
     Unseeded rows draw a fresh seed, as `Sampler.add_request` does.
     token_bitmask: optional int32 [B, W >= ceil(V / 32)] (xgrammar's layout), as in `Sampler.sample`.
+    backend, compile: the step's backend and torch.compile choice, as in `Sampler` (None: the
+    environment's defaults).
     """
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise InvalidSamplingParams("logits", getattr(logits, "shape", logits), "a 2-d tensor [B, Vp]")
@@ -530,7 +547,8 @@ def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParam
     pos = [None] * batch if positions is None else _per_row("positions", positions, batch)
     sampler = Sampler(padded if vocab_size is None else vocab_size, max_slots=max(batch, 1),
                       device=logits.device, padded_vocab_size=padded, logprobs_mode=logprobs_mode,
-                      max_logprobs=max([p.logprobs or 0 for p in rows] + [20]), eos_token_ids=eos_token_ids)
+                      max_logprobs=max([p.logprobs or 0 for p in rows] + [20]), eos_token_ids=eos_token_ids,
+                      backend=backend, compile=compile)
     for b in range(batch):
         sampler.add_request(b, rows[b], prompts[b], output_token_ids=outputs[b], position=pos[b])
     return sampler.sample(logits, token_bitmask=token_bitmask)

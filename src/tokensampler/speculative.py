@@ -84,7 +84,7 @@ class TargetRows:
 
 def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                 config: NativeConfig = DEFAULT, keep_raw: bool = False,
-                token_bitmask: torch.Tensor | None = None) -> TargetRows:
+                token_bitmask: torch.Tensor | None = None, compiled: bool = False) -> TargetRows:
     """Steps 1-11 for the rows of `logits` at their slots' current state, keeping the final z.
 
     Parameters
@@ -98,6 +98,7 @@ def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, 
     config: the torch step's tunables (the thresholds come from `stages.filter_and_draw`).
     keep_raw: also return the raw scores (a copy of the rows).
     token_bitmask: int32 [B, W >= ceil(V / 32)], this position's token bitmask (xgrammar's layout), or None.
+    compiled: the torch step's compiled full-row passes (the sampler's choice).
 
     Returns
     -------
@@ -132,7 +133,7 @@ def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, 
     if sampled:
         everyone = len(sampled) == len(rows)
         zs = z if everyone else z[sampled]
-        cols = stages.filter_columns(st, index[sampled], [rows[b] for b in sampled], config)
+        cols = stages.filter_columns(st, index[sampled], [rows[b] for b in sampled], config, compiled=compiled)
         drawn, tau = stages.filter_and_draw(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=True)
         zs.masked_fill_(zs < tau[:, None], NEG_INF)
         if not everyone:
@@ -275,8 +276,8 @@ def _residual_tokens(p: torch.Tensor, q: torch.Tensor | None, drafts: torch.Tens
     return scores.argmax(dim=-1)
 
 
-def _position_logprobs(rows: TargetRows, tokens: torch.Tensor, plan: StepPlan, logprobs_mode: str
-                       ) -> LogprobsOutput | None:
+def _position_logprobs(rows: TargetRows, tokens: torch.Tensor, plan: StepPlan, logprobs_mode: str,
+                       compiled: bool = False) -> LogprobsOutput | None:
     """Steps 2 / 12 at the emitted tokens of one position (rows that asked), as the torch step does."""
     if not plan.wants_logprobs:
         return None
@@ -286,7 +287,8 @@ def _position_logprobs(rows: TargetRows, tokens: torch.Tensor, plan: StepPlan, l
     asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
     scores = rows.raw if logprobs_mode.startswith("raw") else rows.final
     num = torch.tensor([plan.num_logprobs[b] for b in asked], dtype=torch.int64, device=device)
-    part = gather_logprobs(scores[asked], tokens[asked], num, width, logprobs_mode.endswith("logprobs"))
+    part = gather_logprobs(scores[asked], tokens[asked], num, width, logprobs_mode.endswith("logprobs"),
+                           compiled=compiled)
     out.token_logprobs[asked] = part.token_logprobs
     out.token_ranks[asked] = part.token_ranks
     out.top_token_ids[asked] = part.top_token_ids
@@ -326,7 +328,7 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
     device = target_logits.device
     index = torch.tensor(plan.slots, dtype=torch.int64, device=device)
     st = backends.state
-    logprobs_mode, config = backends.logprobs_mode, backends.native.config
+    logprobs_mode, config, compiled = backends.logprobs_mode, backends.native.config, backends.native.compiled
     vocab = st.width
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     out = _Collected(batch, positions, plan, device)
@@ -334,7 +336,8 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
     raw_scores = plan.wants_logprobs and logprobs_mode.startswith("raw")
     for j in range(positions - 1):
         mask = None if token_bitmask is None else token_bitmask[:, j]
-        rows = target_rows(st, target_logits[:, j], index, plan, config, keep_raw=raw_scores, token_bitmask=mask)
+        rows = target_rows(st, target_logits[:, j], index, plan, config, keep_raw=raw_scores, token_bitmask=mask,
+                           compiled=compiled)
         drafts = draft_token_ids[:, j]
         verify = alive & (drafts >= 0)
         safe = drafts.clamp(min=0)
@@ -359,7 +362,7 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
                 emit[rejected] = _residual_tokens(p, q, safe[rejected], keys)
         emit = torch.where(accept, drafts, emit)
         safe_emit = torch.where(alive, emit, 0)
-        out.put(j, alive, safe_emit, rows.valid, _position_logprobs(rows, safe_emit, plan, logprobs_mode))
+        out.put(j, alive, safe_emit, rows.valid, _position_logprobs(rows, safe_emit, plan, logprobs_mode, compiled))
         st.record_tokens(index, safe_emit, _records(alive, record))
         alive = accept
         if not bool(alive.any()):

@@ -128,8 +128,8 @@ def test_crowded_race_falls_back_to_the_dense_noise(dense_route):
     approximate-noise pass, and the token is unchanged."""
     noise = Spy(dense_route, gumbel, "gumbel_argmax_dense")
     original = dense.race_argmax
-    dense_route.setattr(dense, "race_argmax", lambda p, z, z_max, threshold, keys, odds, config:
-                        original(p, z, z_max, threshold, keys, odds * 1e-3, config))
+    dense_route.setattr(dense, "race_argmax", lambda p, z, z_max, threshold, keys, odds, *rest:
+                        original(p, z, z_max, threshold, keys, odds * 1e-3, *rest))
     logits = flat_batch(3, 3000, 4)
     assert_same(logits, params_for(3, 4, temperature=1.0, top_p=0.9))
     assert noise.rows == 3

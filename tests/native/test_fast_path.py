@@ -349,30 +349,28 @@ def test_peak_memory_measure_sees_allocations():
     assert 6_000_000 <= peak_extra_bytes(step) < 6_100_000
 
 
-def test_compiled_path_matches_reference_and_eager(monkeypatch):
-    """TOKENSAMPLER_COMPILE=1: the dense noise block runs through inductor. Its hash bits equal
-    rng's, its noise is within the bound the exact recheck relies on, and the tokens equal the
-    reference's and the eager path's."""
-    from tokensampler.backends.native import compile as ts_compile
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
-    assert ts_compile.enabled()
-    scores_of = ts_compile.maybe_compiled("approx_scores", gumbel.approx_scores)
+def test_compiled_path_matches_reference_and_eager():
+    """compile=True: the dense noise block runs through inductor. Its hash bits equal rng's, its
+    noise is within the bound the exact recheck relies on, and the tokens equal the reference's and
+    the eager path's."""
+    from tokensampler.backends.native import compile_cache
+    scores_of = compile_cache.maybe_compiled("approx_scores", gumbel.approx_scores, True)
+    assert scores_of is not gumbel.approx_scores
     keys = rng.row_key(torch.tensor([3, 99]), torch.tensor([5, 6]), 0)
     ids = torch.arange(1 << 18, dtype=torch.int32)
     z = torch.zeros(2, ids.numel())
     approx = scores_of(rng.to_int32_words(keys)[:, None], ids, z, torch.full((2, 1), NEG_INF))
     exact = rng.gumbel_from_bits(rng.random_bits(keys[:, None], ids.to(torch.int64)[None, :]))
     assert (approx.double() - exact.double()).abs().max().item() < gumbel.NOISE_ERROR / 10
-    assert ts_compile.report()["functions"]["approx_scores"]["variants"] >= 1
+    assert compile_cache.report()["functions"]["approx_scores"]["variants"] >= 1
     from tokensampler.tools.workloads import make_logits
     logits = make_logits(3, 3000, flat=True, seed=4)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=0.9, seed=2),
               SamplingParams(temperature=1.0, min_p=0.001, seed=3, logprobs=2)]
     dense = NativeConfig(candidate_cap=0)
     want = run_reference(logits, params, logprobs_mode="processed_logprobs")
-    compiled = run_sampler(logits, params, logprobs_mode="processed_logprobs", config=dense)
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "0")
-    eager = run_sampler(logits, params, logprobs_mode="processed_logprobs", config=dense)
+    compiled = run_sampler(logits, params, logprobs_mode="processed_logprobs", config=dense, compile=True)
+    eager = run_sampler(logits, params, logprobs_mode="processed_logprobs", config=dense, compile=False)
     assert_same_output(want, compiled)
     assert_same_output(want, eager)
 
@@ -424,10 +422,9 @@ def test_top_p_total_over_a_kept_set_longer_than_the_sorted_head(mode):
 
 
 def test_compiled_direct_route_matches_reference(monkeypatch):
-    """TOKENSAMPLER_COMPILE=1 through the direct route: the compiled count and tail (with its
-    error bound), penalties written and restored, raw logprobs from the compiled statistics."""
+    """compile=True through the direct route: the compiled count and tail (with its error bound),
+    penalties written and restored, raw logprobs from the compiled statistics."""
     from tokensampler.tools.workloads import make_logits
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
     seen = _record_routes(monkeypatch)
     logits = make_logits(6, 30000, seed=8)
     before = logits.clone()
@@ -440,10 +437,11 @@ def test_compiled_direct_route_matches_reference(monkeypatch):
     top = logits.topk(4, dim=-1).indices.tolist()
     history = dict(prompts=[[], top[1][:2], [], top[3][:1], [], []], outputs=[[], top[1][2:3], [], [7], [], []])
     want = run_reference(logits, params, **history)
-    got = run_sampler(logits, params, **history)
+    got = run_sampler(logits, params, compile=True, **history)
     assert seen == [False] and torch.equal(logits, before)
     assert_same_output(want, got)
-    assert_same_output(want, run_sampler(logits, params, config=NativeConfig(direct_route=False), **history))
+    assert_same_output(want, run_sampler(logits, params, config=NativeConfig(direct_route=False), compile=True,
+                                         **history))
 
 
 # ------------------------------------------------------------------ the head route of top-p

@@ -69,14 +69,14 @@ def test_order_keys_sort_like_a_stable_descending_sort():
     assert torch.equal(order[0], stable_top(values[0], values.shape[1]))
 
 
-def check_values_and_ranks(scores: torch.Tensor, tokens: torch.Tensor, width: int, monkeypatch, compiled: bool):
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1" if compiled else "0")
+def check_values_and_ranks(scores: torch.Tensor, tokens: torch.Tensor, width: int, compiled: bool):
     num = torch.full((scores.shape[0],), width, dtype=torch.int64)
     raw = scores.clone()
     raw[:, 1::5][raw[:, 1::5] == NEG_INF] = float("nan")  # raw rows: NaN = removed, cleaned when gathered
     rows = logprobs.ScoreRows(raw, clean=False)
-    for got in (logprobs.gather_logprobs(scores, tokens, num, width, normalise=True),
-                logprobs.gather_logprobs(rows, tokens, num, width, True, logprobs.row_stats(scores, True))):
+    for got in (logprobs.gather_logprobs(scores, tokens, num, width, normalise=True, compiled=compiled),
+                logprobs.gather_logprobs(rows, tokens, num, width, True, logprobs.row_stats(scores, True, compiled),
+                                         compiled=compiled)):
         check_against_reference(scores, tokens, width, got)
 
 
@@ -93,7 +93,7 @@ def check_against_reference(scores, tokens, width, got):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_values_within_the_bound_of_torch_log_softmax(monkeypatch, compiled):
+def test_values_within_the_bound_of_torch_log_softmax(compiled):
     """Peaked LLM-like rows (where a float64 normaliser would miss ATen's float32 one by ~1e-5),
     flat rows, -inf ids, an all -inf row, widths that are not a multiple of the vector lanes."""
     from tokensampler.tools.workloads import make_logits
@@ -103,17 +103,16 @@ def test_values_within_the_bound_of_torch_log_softmax(monkeypatch, compiled):
         scores[3] = NEG_INF
         tokens = torch.tensor([0, 1, vocab - 1, vocab // 2])
         tokens[0] = int(scores[0].argmax())
-        check_values_and_ranks(scores, tokens, min(vocab, 20), monkeypatch, compiled)
+        check_values_and_ranks(scores, tokens, min(vocab, 20), compiled)
 
 
-def test_the_compiled_normaliser_follows_atens_order(monkeypatch):
+def test_the_compiled_normaliser_follows_atens_order():
     """On a peaked row a plain (cascade or float64) sum misses torch.log_softmax's normaliser by
     more than the bound; the lane-ordered one stays within a few ulps."""
     lanes = logprobs.aten_lanes()
     if not lanes:
         pytest.skip("ATen's vector width is not known on this CPU: the exact eager path is used")
     from tokensampler.tools.workloads import make_logits
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
     scores = make_logits(3, 151936, seed=0)
     row_max = scores.amax(-1)
     log_sum = logprobs.normaliser(scores, row_max, lanes)
@@ -125,10 +124,9 @@ def test_the_compiled_normaliser_follows_atens_order(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["plain", "nan", "posinf", "bf16", "padded"])
 @pytest.mark.parametrize("mode", MODES)
-def test_sampler_logprobs_wide_vocab_all_modes(monkeypatch, mode, variant):
+def test_sampler_logprobs_wide_vocab_all_modes(mode, variant):
     """End to end on a vocabulary wide enough for the chunked top-N: ties at the N-th value, -inf
-    ids and rows, rows asking different N (0 included) or nothing, greedy and sampled rows."""
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
+    ids and rows, rows asking different N (0 included) or nothing, greedy and sampled rows (compiled)."""
     gen = torch.Generator().manual_seed(11)
     vocab = 6000
     logits = torch.randn(6, vocab, generator=gen) * 2
@@ -154,6 +152,6 @@ def test_sampler_logprobs_wide_vocab_all_modes(monkeypatch, mode, variant):
               SamplingParams(temperature=1.0, min_p=0.2, seed=4),
               SamplingParams(temperature=1.2, top_p=0.5, seed=5, logprobs=7)]
     want = run_reference(logits, params, logprobs_mode=mode, vocab_size=vocab_size)
-    got = run_sampler(logits, params, logprobs_mode=mode, vocab_size=vocab_size)
+    got = run_sampler(logits, params, logprobs_mode=mode, vocab_size=vocab_size, compile=True)
     assert_same_output(want, got)
     assert got.logprobs.token_ranks[4] == 0 and got.logprobs.token_logprobs[4] == 0  # did not ask

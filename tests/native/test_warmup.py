@@ -1,4 +1,4 @@
-"""backends/native/warmup.py and compile.py: after `Sampler.warmup`, no step compiles anything.
+"""backends/native/warmup.py and compile_cache.py: after `Sampler.warmup`, no step compiles anything.
 
 With torch.compile on and a fresh inductor cache directory: warm-up prepares the compiled
 functions; then batches of sizes 1, 3, 7, 13, 21, 29 and max_slots with mixed parameters (peaked
@@ -21,8 +21,7 @@ import torch
 
 from tests.support.runs import run_reference
 from tokensampler import Sampler, SamplingParams
-from tokensampler.backends.native import compile as ts_compile
-from tokensampler.backends.native import warmup
+from tokensampler.backends.native import compile_cache, warmup
 from tokensampler.tools.workloads import make_logits
 
 VOCAB, PADDED, SLOTS = 40000, 40064, 32
@@ -39,7 +38,7 @@ def _mixed(r: random.Random, slot: int) -> SamplingParams:
 
 
 def _fallbacks() -> int:
-    return sum(f["fallbacks"] for f in ts_compile.report()["functions"].values())
+    return sum(f["fallbacks"] for f in compile_cache.report()["functions"].values())
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +49,17 @@ def warm_cache(tmp_path_factory):
 
 @pytest.fixture
 def compiled(monkeypatch, warm_cache):
-    monkeypatch.setenv("TOKENSAMPLER_COMPILE", "1")
+    """Inductor's cache directory for this test (the samplers pass compile=True)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", warm_cache)
     return warm_cache
 
 
 def test_after_warmup_no_batch_size_or_mix_compiles(compiled):
     from torch._dynamo.utils import counters
-    sampler = Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED, max_logprobs=20)
+    sampler = Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED, max_logprobs=20, compile=True)
     report = sampler.warmup()
     assert report["prepared"] > 0  # the fixture's cache starts empty (or holds this module's)
-    graphs, prepared, fallbacks = dict(counters["stats"]), ts_compile.prepared(), _fallbacks()
+    graphs, prepared, fallbacks = dict(counters["stats"]), compile_cache.prepared(), _fallbacks()
     r = random.Random(0)
     for batch in BATCHES:
         params = [_mixed(r, slot) for slot in range(batch)]
@@ -77,14 +76,14 @@ def test_after_warmup_no_batch_size_or_mix_compiles(compiled):
             for slot in range(batch):  # the same state again for the next layout
                 sampler.add_request(slot, params[slot], histories[slot])
     assert dict(counters["stats"]) == graphs, "dynamo traced something after warm-up"
-    assert ts_compile.prepared() == prepared, ts_compile.layouts()
-    assert _fallbacks() == fallbacks, ts_compile.report()["functions"]
+    assert compile_cache.prepared() == prepared, compile_cache.layouts()
+    assert _fallbacks() == fallbacks, compile_cache.report()["functions"]
 
 
 def test_inference_mode_serves_without_fallback(compiled):
     """An engine that samples under torch.inference_mode (vLLM does) passes inference tensors: they
     run the loaded artefacts (no eager fallback, nothing compiled) and give the same tokens."""
-    sampler = Sampler(VOCAB, max_slots=8, padded_vocab_size=PADDED, max_logprobs=20)
+    sampler = Sampler(VOCAB, max_slots=8, padded_vocab_size=PADDED, max_logprobs=20, compile=True)
     sampler.warmup()
     r = random.Random(1)
     params = [_mixed(r, slot) for slot in range(8)]
@@ -93,10 +92,10 @@ def test_inference_mode_serves_without_fallback(compiled):
     for mode in (False, True):
         for slot in range(8):
             sampler.add_request(slot, params[slot], [slot, 5, 9])
-        prepared, fallbacks = ts_compile.prepared(), _fallbacks()
+        prepared, fallbacks = compile_cache.prepared(), _fallbacks()
         with torch.inference_mode(mode):
             got = sampler.sample(logits.clone())
-        assert ts_compile.prepared() == prepared and _fallbacks() == fallbacks, ts_compile.report()["functions"]
+        assert compile_cache.prepared() == prepared and _fallbacks() == fallbacks, compile_cache.report()["functions"]
         want.append(got.token_ids)
     assert torch.equal(want[0], want[1])
 
@@ -109,14 +108,14 @@ def test_a_second_process_loads_what_warmup_compiled(compiled, tmp_path, monkeyp
     compiled = str(tmp_path / "moved")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", compiled)
     # and a function this process registered at run time (as a test does), which the next process lacks
-    ts_compile.maybe_compiled("only_in_this_process", lambda t: t + 1)(torch.ones(2, 3))
-    Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED).warmup()  # (compiled above, or now)
+    compile_cache.maybe_compiled("only_in_this_process", lambda t: t + 1, True)(torch.ones(2, 3))
+    Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED, compile=True).warmup()  # (compiled above, or now)
     code = ("import json, os; from tokensampler import Sampler; "
-            "from tokensampler.backends.native import compile as c; "
-            f"r = Sampler({VOCAB}, max_slots={SLOTS}, padded_vocab_size={PADDED}).warmup(); "
+            "from tokensampler.backends.native import compile_cache as c; "
+            f"r = Sampler({VOCAB}, max_slots={SLOTS}, padded_vocab_size={PADDED}, compile=True).warmup(); "
             "print(json.dumps({'warmup': r, 'functions': c.report()['functions'], 'uncalled': c.uncalled(), "
             "'env': 'TORCHINDUCTOR_CACHE_DIR' in os.environ}))")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": compiled, "TOKENSAMPLER_COMPILE": "1"}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": compiled}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     functions = result["functions"]
@@ -130,7 +129,7 @@ def test_a_second_process_loads_what_warmup_compiled(compiled, tmp_path, monkeyp
 def test_the_library_sets_no_environment_variable(compiled, monkeypatch):
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
     before = dict(os.environ)
-    ts_compile.cache_dir()
+    compile_cache.cache_dir()
     warmup.warm(300, 300, "raw_logprobs")  # a tiny scratch sampler: every route, default cache dir
     assert dict(os.environ) == before
 
@@ -140,7 +139,7 @@ def test_compiled_functions_serve_every_row_count_without_guards_failing(compile
     (passed as plain aliases: no guard reads a view's base) run the compiled code (no eager
     fallback), with the eager function's results."""
     from tokensampler.backends.native import row_stats
-    count = ts_compile.maybe_compiled("winnable_count", row_stats._count)
+    count = compile_cache.maybe_compiled("winnable_count", row_stats._count, True)
     before = _fallbacks()
     for rows in (0, 1, 2, 64):
         views = [torch.randn(rows, 3000), torch.randn(rows, 3024)[:, :3000],  # whole rows, a padded caller
@@ -161,7 +160,7 @@ def test_an_artefact_serves_only_the_thread_count_it_was_built_for(compiled, tmp
     from tokensampler.backends.native import row_stats
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "threads"))
     threads = torch.get_num_threads()
-    count = ts_compile.maybe_compiled("winnable_count", row_stats._count)
+    count = compile_cache.maybe_compiled("winnable_count", row_stats._count, True)
     z, floor = torch.randn(5, 3000), torch.zeros(5)
     before = _fallbacks()
     try:
@@ -171,15 +170,16 @@ def test_an_artefact_serves_only_the_thread_count_it_was_built_for(compiled, tmp
     finally:
         torch.set_num_threads(threads)
     assert _fallbacks() == before
-    assert {key[0] for key in count.variants if key[1:] == ts_compile._layout((z, floor), (0, 1))[1:]} \
+    assert {key[0] for key in count.variants if key[1:] == compile_cache._layout((z, floor), (0, 1))[1:]} \
         >= {("threads", 1), ("threads", 2)}
     code = ("import json, sys, torch; from tokensampler import Sampler, SamplingParams; "
-            "from tokensampler.backends.native import compile as c; torch.set_num_threads(int(sys.argv[1])); "
-            f"s = Sampler({VOCAB}, max_slots=4, padded_vocab_size={PADDED}); s.warmup(); p = c.prepared(); "
+            "from tokensampler.backends.native import compile_cache as c; torch.set_num_threads(int(sys.argv[1])); "
+            f"s = Sampler({VOCAB}, max_slots=4, padded_vocab_size={PADDED}, compile=True); s.warmup(); "
+            "p = c.prepared(); "
             "[s.add_request(i, SamplingParams(temperature=1.0, top_p=0.9, seed=i), []) for i in range(4)]; "
             f"s.sample(torch.randn(4, {PADDED}) * 4); "
             "print(json.dumps([sum(f['fallbacks'] for f in c.report()['functions'].values()), c.prepared() - p]))")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "threads"), "TOKENSAMPLER_COMPILE": "1"}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "threads")}
     for n in (1, 2):  # the first warms up cold with 1 thread; the second must not load its artefacts
         done = subprocess.run([sys.executable, "-c", code, str(n)], env=env, capture_output=True, text=True,
                               check=True)

@@ -1,17 +1,16 @@
 """One `Sampler`-like object per backend, so a test runs the same calls on every path:
 
-- "direct", "block": the CPU torch step with its direct route allowed / forced off (NativeConfig);
+- "direct", "block": the CPU torch step (`backend="torch"`) with its direct route allowed / forced
+  off (NativeConfig);
 - "kernels": the Triton step (CPU tensors in Triton's interpreter, CUDA tensors when there is a GPU),
-  forced with TOKENSAMPLER_BACKEND=triton for the calls it makes, with small blocks;
+  forced with `Sampler(backend="triton")`, with small blocks;
 - "split2", "split3": the vocabulary split over 2 / 3 ranks, one thread per rank (each rank gets its
   logits slice and the whole token bitmask; every rank must return the same output).
 """
 
 from __future__ import annotations
 
-import os
 import threading
-from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -19,36 +18,22 @@ import torch
 import tests.support.split_cases as dc
 from tokensampler import Sampler
 from tokensampler.backends.native.config import NativeConfig
-from tokensampler.backends.triton import config as kernel_config
+from tokensampler.backends.triton.config import KernelConfig
 
 BACKENDS = ("direct", "block", "kernels", "split2", "split3")
 # small blocks and several splits per row: every multi-block path of the kernels runs
-KERNELS = kernel_config.KernelConfig(prepare_block=32, select_block=64, logprobs_block=64, pivots=8, splits=2,
+KERNELS = KernelConfig(prepare_block=32, select_block=64, logprobs_block=64, pivots=8, splits=2,
                                      num_warps=4, window_cap=64, window_block=32)
-
-
-@contextmanager
-def backend_env(value: str):
-    before = os.environ.get(kernel_config.BACKEND_ENV)
-    os.environ[kernel_config.BACKEND_ENV] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[kernel_config.BACKEND_ENV]
-        else:
-            os.environ[kernel_config.BACKEND_ENV] = before
 
 
 class KernelSampler:
     """A Sampler whose steps run the Triton kernels."""
 
     def __init__(self, vocab: int, **kw: Any) -> None:
-        self.sampler = Sampler(vocab, kernel_config=KERNELS, **kw)
+        self.sampler = Sampler(vocab, kernel_config=KERNELS, backend="triton", **kw)
 
     def sample(self, logits: torch.Tensor, *args: Any, **kw: Any):
-        with backend_env("triton"):
-            out = self.sampler.sample(logits, *args, **kw)
+        out = self.sampler.sample(logits, *args, **kw)
         return type(out)(out.token_ids.clone(), out.valid.clone(), out.logprobs)  # views of reused buffers
 
     def __getattr__(self, name: str) -> Any:
@@ -102,9 +87,9 @@ class SplitSamplers:
 def make_sampler(backend: str, vocab: int, **kw: Any) -> Any:
     """A sampler of `backend` (see the module docstring) built with Sampler's keywords."""
     if backend == "direct":
-        return Sampler(vocab, native_config=NativeConfig(direct_route=True), **kw)
+        return Sampler(vocab, native_config=NativeConfig(direct_route=True), backend="torch", **kw)
     if backend == "block":
-        return Sampler(vocab, native_config=NativeConfig(direct_route=False), **kw)
+        return Sampler(vocab, native_config=NativeConfig(direct_route=False), backend="torch", **kw)
     if backend == "kernels":
         return KernelSampler(vocab, **kw)
     if backend.startswith("split"):

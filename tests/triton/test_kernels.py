@@ -25,8 +25,8 @@ DEVICE = "cuda" if CUDA else "cpu"
 # the interpreter evaluates both sides of every tl.where (log(0), inf - inf in discarded lanes)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
-from tokensampler import InvalidEnvironment, Sampler, SamplingParams  # noqa: E402
-from tokensampler.backends.triton import config as kernels  # noqa: E402
+from tokensampler import InvalidEnvironment, InvalidSamplingParams, Sampler, SamplingParams  # noqa: E402
+from tokensampler.backends.choice import BACKEND_ENV, BackendChoice  # noqa: E402
 from tokensampler.backends.triton.config import KernelConfig  # noqa: E402
 from tokensampler.backends.triton.noise import gumbel_table_kernel  # noqa: E402
 from tokensampler.core import rng  # noqa: E402
@@ -42,9 +42,9 @@ NARROW = KernelConfig(prepare_block=16, select_block=32, logprobs_block=32, pivo
                       window_cap=8, window_block=4)
 
 
-@pytest.fixture(autouse=True)
-def triton_backend(monkeypatch):
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
+def kernel_sampler(vocab: int, *, backend: str = "triton", **kw) -> Sampler:
+    """A `Sampler` forced onto the kernels (`backend="triton"`) unless `backend` says otherwise."""
+    return Sampler(vocab, backend=backend, **kw)
 
 
 # ------------------------------------------------------------------------------ random cases
@@ -106,7 +106,7 @@ class Twin:
     def __init__(self, params, histories, *, vocab, padded, slots, max_slots, mode, eos, config,
                  positions=None, streams=None):
         self.vocab, self.mode, self.slots = vocab, mode, slots
-        self.sampler = Sampler(vocab, max_slots=max_slots, padded_vocab_size=padded, logprobs_mode=mode,
+        self.sampler = kernel_sampler(vocab, max_slots=max_slots, padded_vocab_size=padded, logprobs_mode=mode,
                                eos_token_ids=eos, device=DEVICE, kernel_config=config)
         self.requests = []
         for b, (p, (prompt, output)) in enumerate(zip(params, histories)):
@@ -288,7 +288,7 @@ def test_history_update_matches_record_tokens():
     """The kernel counts the token, advances position and output length, like SamplerState.record_tokens."""
     vocab = 64
     params = [SamplingParams(temperature=1.0, seed=s, frequency_penalty=0.5) for s in range(3)]
-    sampler = Sampler(vocab, max_slots=6, device=DEVICE, kernel_config=WIDE)
+    sampler = kernel_sampler(vocab, max_slots=6, device=DEVICE, kernel_config=WIDE)
     for slot, p in zip([4, 1, 2], params):
         sampler.add_request(slot, p, [1, 2], output_token_ids=[3, 3])
     counts = sampler.state.output_counts.clone()
@@ -308,7 +308,7 @@ def test_history_update_matches_record_tokens():
 def test_record_mask_leaves_history_of_unrecorded_rows():
     """sample(record=mask): every row is sampled, only rows where the mask is True are counted and advanced."""
     vocab = 64
-    sampler = Sampler(vocab, max_slots=3, device=DEVICE, kernel_config=WIDE)
+    sampler = kernel_sampler(vocab, max_slots=3, device=DEVICE, kernel_config=WIDE)
     for slot in range(3):
         sampler.add_request(slot, SamplingParams(temperature=1.0, seed=slot), [1], output_token_ids=[2])
     counts = sampler.state.output_counts.clone()
@@ -345,7 +345,7 @@ def test_search_window_goes_to_the_list():
 def test_buffers_are_reused_between_steps():
     """No allocation per step: the second step of the same batch writes into the same buffers."""
     vocab = 50
-    sampler = Sampler(vocab, max_slots=2, device=DEVICE, kernel_config=WIDE)
+    sampler = kernel_sampler(vocab, max_slots=2, device=DEVICE, kernel_config=WIDE)
     for slot in range(2):
         sampler.add_request(slot, SamplingParams(temperature=1.0, top_p=0.9, seed=slot, logprobs=2), [])
     first = sampler.sample(torch.randn(2, vocab).to(DEVICE))
@@ -357,23 +357,28 @@ def test_buffers_are_reused_between_steps():
     assert second.logprobs.top_token_ids.data_ptr() == first.logprobs.top_token_ids.data_ptr()
 
 
-def test_backend_choice(monkeypatch):
-    logits = torch.randn(1, 30, device=DEVICE)
-    assert kernels.use_kernels(logits, 20)
-    assert not kernels.use_kernels(logits, 21)  # N > 20 (or the whole vocabulary): the torch step
-    monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
-    assert not kernels.use_kernels(logits, 0)
-    monkeypatch.setenv(kernels.BACKEND_ENV, "auto")
-    assert kernels.use_kernels(torch.randn(1, 30), 0) is False
-    assert kernels.use_kernels(logits, 0) == CUDA
-    monkeypatch.setenv(kernels.BACKEND_ENV, "cuda")
+def test_backend_choice():
+    """What each backend means on each device, decided when the sampler is made; bad values raise."""
+    env: dict = {}
+    for device in ("cpu", DEVICE):
+        forced = BackendChoice.resolve("triton", device=device, environ={"TRITON_INTERPRET": "1"})
+        assert forced.use_kernels(20) and not forced.use_kernels(21)  # N > 20: the torch step
+        assert not BackendChoice.resolve("torch", device=device, environ=env).use_kernels(0)
+        assert BackendChoice.resolve("auto", device=device, environ=env).use_kernels(0) == (device == "cuda")
+        assert BackendChoice.resolve(None, device=device, environ=env).backend == "auto"  # unset: auto
+        assert BackendChoice.resolve(None, device=device, environ={BACKEND_ENV: " Torch "}).backend == "torch"
     with pytest.raises(InvalidEnvironment) as err:
-        kernels.use_kernels(logits, 0)
-    assert err.value.field == kernels.BACKEND_ENV and err.value.value == "cuda"
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(InvalidEnvironment, match="TRITON_INTERPRET"):
-        kernels.use_kernels(torch.randn(1, 30), 0)
+        BackendChoice.resolve(None, environ={BACKEND_ENV: "cuda"})
+    assert err.value.field == BACKEND_ENV and err.value.value == "cuda"
+    with pytest.raises(InvalidSamplingParams) as err:
+        BackendChoice.resolve("cuda", environ={BACKEND_ENV: "torch"})
+    assert err.value.field == "backend" and err.value.value == "cuda"
+    with pytest.raises(InvalidEnvironment, match="TRITON_INTERPRET") as err:
+        BackendChoice.resolve("triton", device="cpu", environ={"TRITON_INTERPRET": "0"})
+    assert err.value.field == "backend"
+    with pytest.raises(InvalidEnvironment, match="TRITON_INTERPRET") as err:
+        BackendChoice.resolve(None, device="cpu", environ={BACKEND_ENV: "triton"})
+    assert err.value.field == BACKEND_ENV
 
 
 def step_kind(sampler, logits):
@@ -382,15 +387,14 @@ def step_kind(sampler, logits):
     return type(sampler.backends.choose(logits, plan)).__name__
 
 
-def test_sampler_dispatch(monkeypatch):
+def test_sampler_dispatch():
     """The Sampler runs the kernels when asked, the torch step otherwise, with the same tokens."""
     vocab = 80
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=9, logprobs=25)
     tokens = {}
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kernels.BACKEND_ENV, backend)
-        sampler = Sampler(vocab, max_slots=3, max_logprobs=25, device=DEVICE)
+        sampler = kernel_sampler(vocab, max_slots=3, max_logprobs=25, device=DEVICE, backend=backend)
         for slot in range(3):
             sampler.add_request(slot, params, [])
         sampler.sample(logits)

@@ -20,7 +20,6 @@ from tests.support.speculative_cases import (  # noqa: E402
     snapshot,
     step_plainly,
 )
-from tokensampler.backends.triton import config as kernels  # noqa: E402
 from tokensampler.backends.triton.config import KernelConfig  # noqa: E402
 from tokensampler.core.plan import plan_step  # noqa: E402
 
@@ -42,23 +41,21 @@ def case(seed: int):
     return rnd, vocab, padded, batch, k, params, prompts, outputs, logits
 
 
-def build(vocab, padded, params, prompts, outputs, batch):
+def build(vocab, padded, params, prompts, outputs, batch, backend):
     return make_sampler(vocab, padded, params, prompts, outputs, list(range(batch)), max_slots=batch,
-                        eos=(0,), device=DEVICE, kernel_config=SMALL)
+                        eos=(0,), device=DEVICE, kernel_config=SMALL, backend=backend)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_match_mode_on_the_kernels_equals_the_torch_step(monkeypatch, seed):
+def test_match_mode_on_the_kernels_equals_the_torch_step(seed):
     rnd, vocab, padded, batch, k, params, prompts, outputs, logits = case(seed)
-    monkeypatch.setenv(kernels.BACKEND_ENV, "torch")
-    plain = build(vocab, padded, params, prompts, outputs, batch)
+    plain = build(vocab, padded, params, prompts, outputs, batch, "torch")
     width = max(plan_step(params, vocab).logprobs_width, 0)
     drafts, want, _ = step_plainly(plain, logits, list(range(batch)), [rnd.randint(0, k) for _ in range(batch)],
                                    rnd, vocab, width)
-    torch_twin = build(vocab, padded, params, prompts, outputs, batch)
+    torch_twin = build(vocab, padded, params, prompts, outputs, batch, "torch")
     on_torch = torch_twin.sample_speculative(logits, drafts.to(DEVICE))
-    monkeypatch.setenv(kernels.BACKEND_ENV, "triton")
-    on_kernels_sampler = build(vocab, padded, params, prompts, outputs, batch)
+    on_kernels_sampler = build(vocab, padded, params, prompts, outputs, batch, "triton")
     on_kernels = on_kernels_sampler.sample_speculative(logits, drafts.to(DEVICE))
     assert on_kernels_sampler.backends._kernels is not None  # the kernel step ran
     assert torch.equal(on_kernels.token_ids.cpu(), want) and torch.equal(on_torch.token_ids.cpu(), want)
@@ -72,14 +69,13 @@ def test_match_mode_on_the_kernels_equals_the_torch_step(monkeypatch, seed):
     assert_same_state(snapshot(on_kernels_sampler), snapshot(plain))
 
 
-def test_rejection_mode_is_the_same_under_either_backend_setting(monkeypatch):
+def test_rejection_mode_is_the_same_under_either_backend_setting():
     rnd, vocab, padded, batch, k, params, prompts, outputs, logits = case(11)
     drafts = torch.randint(-1, vocab, (batch, k), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     probs = torch.softmax(torch.randn(batch, k, padded, generator=torch.Generator().manual_seed(1)), -1).to(DEVICE)
     results = []
     for backend in ("torch", "triton"):
-        monkeypatch.setenv(kernels.BACKEND_ENV, backend)
-        sampler = build(vocab, padded, params, prompts, outputs, batch)
+        sampler = build(vocab, padded, params, prompts, outputs, batch, backend)
         results.append((sampler.sample_speculative(logits, drafts, draft_probs=probs).token_ids.cpu(),
                         snapshot(sampler)))
     assert torch.equal(results[0][0], results[1][0])

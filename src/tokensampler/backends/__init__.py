@@ -1,13 +1,16 @@
 """The backends of one sampling step, behind one interface (`base.Step`), chosen in one place.
 
 - `native`: torch ops, sort-free, the CPU fast path (and the torch path on CUDA);
-- `triton`: fused Triton kernels for CUDA logits (`TOKENSAMPLER_BACKEND` overrides the choice);
+- `triton`: fused Triton kernels for CUDA logits;
 - `split`: the vocabulary split over a group, a few small all-gathers per step.
 
-`Backends.choose` is that place: a sampler whose layout is a slice runs the split step; otherwise
-CUDA logits run the kernels when Triton is importable and the kernels mirror every stage of the
-plan (`triton.config.covers`); everything else runs the torch step. Steps
-are made on first use and keep their buffers from call to call.
+The choice is made once, when the sampler is made (`choice.BackendChoice`: the `backend=` and
+`compile=` arguments, or the environment's defaults read then), and `Backends` keeps it.
+`Backends.choose` applies it without reading anything else: a sampler whose layout is a slice runs
+the split step; otherwise the kernels when the choice says so (by default: CUDA logits with Triton
+importable), the batch asks at most 20 logprobs and the kernels mirror every stage of the plan
+(`triton.config.covers`); everything else runs the torch step. Steps are
+made on first use and keep their buffers from call to call.
 """
 
 from __future__ import annotations
@@ -18,43 +21,47 @@ from ..core.plan import StepPlan
 from ..parallel.agreement import Agreement
 from ..state import SamplerState
 from .base import Step
+from .choice import BackendChoice
 from .native.config import NativeConfig
 from .native.step import TorchStep
-from .triton.config import KernelConfig, covers, use_kernels
+from .triton.config import KernelConfig, covers
 
-__all__ = ["Backends", "Step"]
+__all__ = ["BackendChoice", "Backends", "Step"]
 
 
 class Backends:
-    """The steps one sampler can run, on its state; `choose` picks the one for a call."""
+    """The steps one sampler can run, on its state; `choose` picks the one for a call.
+
+    choice: the sampler's resolved `BackendChoice` (default: the torch step, eager)."""
 
     def __init__(self, state: SamplerState, logprobs_mode: str, agreement: Agreement,
-                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None) -> None:
+                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None,
+                 choice: BackendChoice | None = None) -> None:
         self.state = state
         self.logprobs_mode = logprobs_mode
         self.agreement = agreement
         self.kernel_config = kernel_config
-        self.native = TorchStep(state, logprobs_mode, native_config)
+        self.choice = BackendChoice("torch", False, False) if choice is None else choice
+        self.native = TorchStep(state, logprobs_mode, native_config, compiled=self.choice.compile)
         self._kernels: Step | None = None
         self._split: Step | None = None
 
     def choose(self, logits: torch.Tensor, plan: StepPlan) -> Step:
-        """The step that runs `plan` on `logits`."""
+        """The step that runs `plan` on `logits` (as the sampler's choice says: nothing is read)."""
         if self.state.layout.split:
             return self.split
-        if use_kernels(logits, plan.logprobs_width) and covers(plan):
+        if self.choice.use_kernels(plan.logprobs_width) and covers(plan):
             return self.kernels
         return self.native
 
     def warmup(self) -> dict:
         """Run the torch step's routes once (`native.warmup.warm`) on a scratch state, when its
-        compiled reductions are on and this sampler holds the whole vocabulary (the split step and
-        the Triton kernels compile nothing through torch.compile)."""
-        from .native import compile as ts_compile
+        compiled reductions are on (`choice.compile`) and this sampler holds the whole vocabulary
+        (the split step and the Triton kernels compile nothing through torch.compile)."""
         from .native.warmup import warm
 
         layout = self.state.layout
-        if layout.split or not ts_compile.enabled():
+        if layout.split or not self.choice.compile:
             return {"seconds": 0.0, "steps": 0}
         return warm(layout.vocab_size, layout.padded_vocab_size, self.logprobs_mode, self.native.config,
                     self.state.device)

@@ -12,6 +12,9 @@
     └── InvalidEnvironment            an environment variable, a missing optional package, or a
                                       process group that is not set up
 
+One warning: `CompileFallbackWarning` (a `UserWarning`), once per process, when the torch in use
+does not behave as the compile cache's private torch APIs expect and a function runs eagerly.
+
 Every error is raised before any state changes. `field`, `value` and `allowed` are attributes so an
 HTTP layer can build its reply; `str(error)` is one line.
 """
@@ -84,3 +87,9 @@ class InvalidCheckpoint(TokenSamplerError):
 class InvalidEnvironment(TokenSamplerError):
     """The environment cannot run what was asked: an environment variable's value, an optional
     package that is not installed, or a torch.distributed group that is not initialised."""
+
+
+class CompileFallbackWarning(UserWarning):
+    """The torch in use differs from what the compile cache's private torch APIs expect (an
+    attribute missing, an internal raising): the function runs eagerly, with the same tokens.
+    Emitted once per process (`backends.native.torch_private`)."""

@@ -53,12 +53,15 @@ class SamplingGenerator:
       seeded by rank 0, the same on every rank; a custom source must give every rank the same seeds).
     warmup: run `Sampler.warmup` at construction (default), so that no step compiles anything;
       the report is kept in `warmup_report`.
+    backend, compile: the `Sampler`'s backend and torch.compile choice (None: the environment's
+      defaults, read once, here).
     """
 
     def __init__(self, vocab_size: int, *, max_batch_size: int, sampling_dp: int = 1,
                  padded_vocab_size: int | None = None, device: torch.device | str, group: Any = None,
                  logprobs_mode: str = "raw_logprobs", max_logprobs: int = 20, eos_token_ids: Sequence[int] = (),
-                 seed_source: Any = None, warmup: bool = True) -> None:
+                 seed_source: Any = None, warmup: bool = True, backend: str | None = None,
+                 compile: bool | None = None) -> None:
         check_int("max_batch_size", max_batch_size, 1)
         check_int("sampling_dp", sampling_dp, 1)
         check_bool("warmup", warmup)
@@ -69,7 +72,8 @@ class SamplingGenerator:
         self.num_lanes = max_batch_size * sampling_dp
         self.sampler = Sampler(vocab_size, max_slots=self.num_lanes, device=device,
                                padded_vocab_size=padded_vocab_size, logprobs_mode=logprobs_mode,
-                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids, group=group)
+                               max_logprobs=max_logprobs, eos_token_ids=eos_token_ids, group=group,
+                               backend=backend, compile=compile)
         self.vocab_size = vocab_size
         self.device = self.sampler.device
         self.agreement = self.sampler.agreement  # local, or the ranks of a vocabulary split

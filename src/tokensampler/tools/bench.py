@@ -20,7 +20,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..backends.native import compile as ts_compile
+from ..backends.choice import BackendChoice
+from ..backends.native import compile_cache
 from ..reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 from ..sampler import Sampler
 from . import bench_vllm
@@ -30,8 +31,10 @@ from .workloads import OUTPUT_LEN, WORKLOAD_MATRIX, BenchCase, make_bitmask, mak
 
 QUICK_CHECK_ROWS = 4  # --quick checks this many rows per case against the reference (all otherwise)
 
-def build_sampler(case: BenchCase, device: torch.device | str, prompts, outputs) -> Sampler:
-    sampler = Sampler(case.vocab, max_slots=case.batch, device=device)
+def build_sampler(case: BenchCase, device: torch.device | str, prompts, outputs, backend: str | None = None,
+                  compile: bool | None = None) -> Sampler:
+    """A sampler holding the case's rows (`backend`, `compile`: as `Sampler`'s, None the defaults)."""
+    sampler = Sampler(case.vocab, max_slots=case.batch, device=device, backend=backend, compile=compile)
     for row in range(case.batch):
         sampler.add_request(row, case.sampling_params(seed=1000 + row), prompts[row],
                             output_token_ids=outputs[row])
@@ -212,7 +215,8 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
                    "machine": machine_info(dev), "quick": quick, "results": results}
         if against == "vllm":
                 payload["peer"] = {"name": "vllm", "version": bench_vllm.vllm_version(), "note": peer_note}
-        payload["compile"] = ts_compile.report()
+        # the samplers were made with compile=None: the environment's default, as resolved here
+        payload["compile"] = {"enabled": BackendChoice.resolve(device=dev).compile, **compile_cache.report()}
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=1)
     return results

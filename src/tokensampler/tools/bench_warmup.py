@@ -47,13 +47,13 @@ def measure(vocab: int, padded: int, max_slots: int, batches: Sequence[int], see
     warm-up report and, per batch size, the three call times (ms) and first / second."""
     from torch._dynamo.utils import counters
 
-    from ..backends.native import compile as ts_compile
-    sampler = Sampler(vocab, max_slots=max_slots, padded_vocab_size=padded, max_logprobs=20)
+    from ..backends.native import compile_cache
+    sampler = Sampler(vocab, max_slots=max_slots, padded_vocab_size=padded, max_logprobs=20, compile=True)
     start = time.perf_counter()
     report = sampler.warmup()
     warm_seconds = time.perf_counter() - start
-    graphs, prepared = sum(counters["stats"].values()), ts_compile.prepared()
-    before, uncalled = ts_compile.layouts(), ts_compile.uncalled()
+    graphs, prepared = sum(counters["stats"].values()), compile_cache.prepared()
+    before, uncalled = compile_cache.layouts(), compile_cache.uncalled()
     r = random.Random(seed)
     rows = []
     for batch in batches:
@@ -68,15 +68,15 @@ def measure(vocab: int, padded: int, max_slots: int, batches: Sequence[int], see
         rows.append({"batch": batch, "ms": times, "first_over_second": times[0] / times[1]})
     return {"warmup_seconds": warm_seconds, "warmup": report, "batches": rows,
             "dynamo_counters_changed": sum(counters["stats"].values()) != graphs,
-            "prepared_after_warmup": ts_compile.prepared() - prepared,
-            "layouts_after_warmup": sorted(set(ts_compile.layouts()) - set(before)),
-            "uncalled_after_warmup": uncalled, "compile": ts_compile.report()}
+            "prepared_after_warmup": compile_cache.prepared() - prepared,
+            "layouts_after_warmup": sorted(set(compile_cache.layouts()) - set(before)),
+            "uncalled_after_warmup": uncalled, "compile": compile_cache.report()}
 
 
 def _child(cache: str, vocab: int, padded: int, max_slots: int, batches: Sequence[int]) -> dict:
     code = ("import json, sys; from tokensampler.tools.bench_warmup import measure; "
             f"print(json.dumps(measure({vocab}, {padded}, {max_slots}, {list(batches)!r})))")
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache, "TOKENSAMPLER_COMPILE": "1"}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:

@@ -35,8 +35,7 @@ import torch
 
 from ...core import rng
 from ...core.constants import NEG_INF, POS_INF
-from . import compile as ts_compile
-from . import gumbel, select
+from . import compile_cache, gumbel, select
 from .config import DEFAULT, NativeConfig
 from .host import numpy_module
 from .indexing import column_chunks, nonzero_ids
@@ -73,26 +72,28 @@ def _race_pass(p: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor, key32:
     return count, lowest, highest
 
 
-ts_compile.register("dense_threshold_pass", _threshold_pass, rows=(0, 1, 2, 3, 4))  # ids: the block's columns
-ts_compile.register("dense_race_pass", _race_pass, rows=(0, 1, 2, 3, 4))
+compile_cache.register("dense_threshold_pass", _threshold_pass, rows=(0, 1, 2, 3, 4))  # ids: the block's columns
+compile_cache.register("dense_race_pass", _race_pass, rows=(0, 1, 2, 3, 4))
 
 
-def _column_blocks(z: torch.Tensor, config: NativeConfig) -> list[tuple[int, int]]:
+def _column_blocks(z: torch.Tensor, config: NativeConfig, compiled: bool) -> list[tuple[int, int]]:
     """(start, stop) column ranges: the whole row compiled (no temporaries), chunks when eager."""
-    if ts_compile.enabled():
+    if compiled:
         return [(0, z.shape[1])]
     return column_chunks(z, config.column_chunk)
 
 
 def threshold_pass(p: torch.Tensor, z: torch.Tensor, thresholds: torch.Tensor, key32: torch.Tensor,
-                   floor: torch.Tensor, config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+                   floor: torch.Tensor, config: NativeConfig = DEFAULT, compiled: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """p: float32 [R, V] (`relative_probs`); z: float32 [R, V]; thresholds: float32 [R, J]
     (J = `NativeConfig.dense_thresholds`); key32: int32 [R] noise keys; floor: float32 [R]. Returns (masses float64
     [R, J]: the sum of p over z >= thresholds[:, j], within `sum_error` of any other order's sum;
-    odds float32 [R]: the largest p u / (1 - u) over z >= floor, 0 if none)."""
-    fn = ts_compile.maybe_compiled("dense_threshold_pass", _threshold_pass)
+    odds float32 [R]: the largest p u / (1 - u) over z >= floor, 0 if none). compiled: one
+    compiled loop (the sampler's choice), else column chunks eagerly."""
+    fn = compile_cache.maybe_compiled("dense_threshold_pass", _threshold_pass, compiled)
     masses = odds = None
-    for start, stop in _column_blocks(z, config):
+    for start, stop in _column_blocks(z, config, compiled):
         ids = torch.arange(start, stop, dtype=torch.int32, device=z.device)
         m, b = fn(p[:, start:stop], z[:, start:stop], thresholds, key32, floor, ids)
         masses, odds = (m, b) if masses is None else (masses + m, torch.maximum(odds, b))
@@ -100,13 +101,14 @@ def threshold_pass(p: torch.Tensor, z: torch.Tensor, thresholds: torch.Tensor, k
 
 
 def race_pass(p: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor, key32: torch.Tensor,
-              scale: torch.Tensor, config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              scale: torch.Tensor, config: NativeConfig = DEFAULT, compiled: bool = False
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(count, lowest, highest) int64 [R] of the ids with z >= threshold and (m + 1/2) <= p * scale
     (p, z float32 [R, V]; threshold, scale float32 [R]; key32 int32 [R]); lowest 2^31 - 1 and
-    highest -1 where none."""
-    fn = ts_compile.maybe_compiled("dense_race_pass", _race_pass)
+    highest -1 where none. compiled: as `threshold_pass`."""
+    fn = compile_cache.maybe_compiled("dense_race_pass", _race_pass, compiled)
     count = lowest = highest = None
-    for start, stop in _column_blocks(z, config):
+    for start, stop in _column_blocks(z, config, compiled):
         ids = torch.arange(start, stop, dtype=torch.int32, device=z.device)
         c, lo, hi = (t.to(torch.int64) for t in fn(p[:, start:stop], z[:, start:stop], threshold, key32, scale, ids))
         if count is None:
@@ -208,7 +210,7 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int
 
 def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau: torch.Tensor,
                  top_p: torch.Tensor, keys: torch.Tensor, row_mass: torch.Tensor | None = None,
-                 p_buffer: torch.Tensor | None = None, config: NativeConfig = DEFAULT
+                 p_buffer: torch.Tensor | None = None, config: NativeConfig = DEFAULT, compiled: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 10-11 for flat rows (too many winnable ids for a candidate list).
 
@@ -223,6 +225,7 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
     row_mass: float64 [R], the whole row's mass if known (it only places the candidate thresholds).
     p_buffer: where p = exp(z - z_max) is written (see `select.relative_probs`).
     config: the dense route's tunables.
+    compiled: the full-row passes compiled (the sampler's choice; the same tokens either way).
 
     Returns
     -------
@@ -235,14 +238,14 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
     thresholds = candidate_thresholds(z, z_max, tau, top_p, row_mass, config)
     rows_mask = top_p < 1.0
     floor = torch.where(rows_mask, thresholds[:, config.dense_proxy_column], tau)
-    masses, odds = threshold_pass(p, z, thresholds, key32, floor, config)
+    masses, odds = threshold_pass(p, z, thresholds, key32, floor, config, compiled)
     tau = top_p_from_masses(p, z, z_max, tau, top_p, thresholds, masses, config)
     invalid = floor < tau  # S_lo must come from kept ids only
     if bool(invalid.any()):
         rows = invalid.nonzero().squeeze(-1)
         odds = odds.index_put((rows,), threshold_pass(p[rows], z[rows], thresholds[rows], key32[rows], tau[rows],
-                                                      config)[1])
-    return race_argmax(p, z, z_max, torch.maximum(tau, lower), keys, odds, config), tau
+                                                      config, compiled)[1])
+    return race_argmax(p, z, z_max, torch.maximum(tau, lower), keys, odds, config, compiled), tau
 
 
 def top_p_from_masses(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
@@ -285,11 +288,12 @@ def exact_masses(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, upper:
 
 
 def race_argmax(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, threshold: torch.Tensor,
-                keys: torch.Tensor, odds: torch.Tensor, config: NativeConfig = DEFAULT) -> torch.Tensor:
+                keys: torch.Tensor, odds: torch.Tensor, config: NativeConfig = DEFAULT,
+                compiled: bool = False) -> torch.Tensor:
     """The Gumbel argmax over the ids with z >= threshold (p = `select.relative_probs(z, z_max)`, z float32
     [R, V], z_max, threshold float32 [R], keys int64 [R]), given odds (float32 [R]): p u / (1 - u)
     of some kept id, so that z_max + log(odds) bounds the winning score from below (less rounding).
-    Returns int64 [R]."""
+    Returns int64 [R]. compiled: the race pass and the noise blocks compiled (the sampler's choice)."""
     # An id reaches the winning score only if 1 - u <= p exp(z_max - S_lo + margin), with
     # S_lo = z_max + log(odds) - margin: the margins cover the odds', p's, g's and the scores'
     # rounding (each far below gumbel.margin); RACE_SLACK covers p's and the products' rounding.
@@ -297,7 +301,8 @@ def race_argmax(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, threshold
     estimate = z_max.to(torch.float64) + odds64.log()
     slack = 2 * gumbel.margin(estimate.abs())
     scale = (_TWO_POW_24 * (1.0 + RACE_SLACK)) * torch.exp(slack) / odds64
-    count, lowest, highest = race_pass(p, z, threshold, rng.to_int32_words(keys), scale.to(torch.float32), config)
+    count, lowest, highest = race_pass(p, z, threshold, rng.to_int32_words(keys), scale.to(torch.float32), config,
+                                       compiled)
     rows = torch.arange(z.shape[0], device=z.device)
     pair = torch.stack([lowest, highest], dim=-1).clamp_(0, z.shape[1] - 1)
     pair_scores = gumbel.exact_scores(z[rows[:, None], pair], keys[:, None], pair)
@@ -306,5 +311,6 @@ def race_argmax(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, threshold
     crowded = (count > 2) | (count < 1) | ~torch.isfinite(scale) | (odds <= 0)
     if bool(crowded.any()):
         rows_c = crowded.nonzero().squeeze(-1)
-        token[rows_c] = gumbel.gumbel_argmax_dense(z[rows_c], threshold[rows_c], keys[rows_c], config.dense_block)
+        token[rows_c] = gumbel.gumbel_argmax_dense(z[rows_c], threshold[rows_c], keys[rows_c], config.dense_block,
+                                                   compiled)
     return token

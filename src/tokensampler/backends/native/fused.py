@@ -45,6 +45,7 @@ class RowColumns:
     any_top_p: bool
     dense_buffer: Callable[[int], torch.Tensor] | None = None  # float32 of >= n elements, kept by the caller
     config: NativeConfig = DEFAULT
+    compiled: bool = False  # the full-row passes compiled (the sampler's choice; the same tokens either way)
 
 
 def apply_temperature(z: torch.Tensor, z_max: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
@@ -81,7 +82,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     `exact_threshold` tau is exactly the definition's threshold, otherwise it may differ from it
     only below the winnable floor, where no id can win. None (in_place=False only) when a row needs
     a full-row route (flat rows, +inf after T): the caller then runs the in-place form."""
-    config = cols.config
+    config, compiled = cols.config, cols.compiled
     cap = config.candidate_cap
     cap = min(cap, max(1024, z.shape[1] // 8))  # a list near the row's size: the dense route is leaner
     scale = None
@@ -106,20 +107,21 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         # many winnable ids, but top-p may keep a few: list the head of the row (the ids at or above
         # the `top_p_head_chunks`-th largest chunk maximum); kept only if the top-p crossing is in it
         head_lower = torch.maximum(lower, select.head_floor(z, config.top_p_head_chunks))
-        count, tail = row_stats.winnable_count_and_tail(z, z_max, head_lower, None, config)
-        listed = select.gather_candidates(z, head_lower, cap, count=count, config=config)
+        count, tail = row_stats.winnable_count_and_tail(z, z_max, head_lower, None, config, compiled)
+        listed = select.gather_candidates(z, head_lower, cap, count=count, config=config, compiled=compiled)
         if listed is not None:
             lower = list_floor = head_lower
             head_route = True
     elif not probably_flat:
         if cols.any_top_p and not cols.any_top_k and not cols.any_min_p and bool((cols.top_p < 1.0).all()):
-            count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale, config)  # one pass
-        listed = select.gather_candidates(z, list_floor, cap, count=count, scale=scale, config=config)
+            count, tail = row_stats.winnable_count_and_tail(z, z_max, list_floor, scale, config, compiled)  # one pass
+        listed = select.gather_candidates(z, list_floor, cap, count=count, scale=scale, config=config,
+                                          compiled=compiled)
     if listed is None and cols.any_top_k:  # the exact k-th value bounds the list to the top-k set
         kth = select.top_k_threshold(z, cols.top_k)[0]  # division is monotone: the k-th of z / T
         lower = torch.maximum(lower, kth if scale is None else kth / scale)
         list_floor = lower if scale is None else undivided_floor(lower, scale)
-        listed = select.gather_candidates(z, list_floor, cap, scale=scale, config=config)
+        listed = select.gather_candidates(z, list_floor, cap, scale=scale, config=config, compiled=compiled)
     if listed is None:
         return None if scale is not None else _dense_route(z, z_max, lower, cols)
     values, ids, count = listed  # unsorted: each step sorts only the prefix it reads
@@ -151,7 +153,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         tau = torch.maximum(tau, tau_list.masked_fill_(k <= 0, NEG_INF))
     if cols.any_top_p:
         tau, found = _top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale,
-                            config)
+                            config, compiled)
         if head_route and not bool(found.all()):  # a kept set reaching below the head: those rows whole
             if not bool(found.any()):
                 return _dense_route(z, z_max, win_lower, cols)
@@ -189,7 +191,8 @@ def _kept_only(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
            list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
-           scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT, compiled: bool = False
+           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tau, found): tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the
     unsorted candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own
     units); found: the crossing lies in the list (rows with top_p = 1 count as found).
@@ -210,7 +213,7 @@ def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torc
             tail = torch.zeros_like(total)
             rows = whole_row.nonzero().squeeze(-1)
             tail[rows] = row_stats.tail_mass(_rows_of(z, rows), z_max[rows], list_floor[rows],
-                                             _rows_of(scale, rows), config)
+                                             _rows_of(scale, rows), config, compiled)
         listed = torch.exp(values - z_max[:, None]).to(torch.float64).sum(dim=-1)  # -inf padding: 0
         total = torch.where(whole_row, listed + tail, total)
         error = torch.where(whole_row, row_stats.mass_error(tail, z.shape[1]), 0.0)
@@ -310,9 +313,11 @@ def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, cols
     if cols.any_top_k:
         tau = torch.maximum(tau, select.top_k_threshold(z, cols.top_k)[0])
     if not cols.any_top_p:
-        return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys, cols.config.dense_block), tau
+        return gumbel.gumbel_argmax_dense(z, torch.maximum(tau, lower), cols.keys, cols.config.dense_block,
+                                          cols.compiled), tau
     buffer = None if cols.dense_buffer is None else cols.dense_buffer(z.numel())
-    return dense.sample_dense(z, z_max, lower, tau, cols.top_p, cols.keys, p_buffer=buffer, config=cols.config)
+    return dense.sample_dense(z, z_max, lower, tau, cols.top_p, cols.keys, p_buffer=buffer, config=cols.config,
+                              compiled=cols.compiled)
 
 
 def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor | None,

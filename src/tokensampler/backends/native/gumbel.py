@@ -22,7 +22,7 @@ import torch
 
 from ...core import rng
 from ...core.constants import NEG_INF
-from . import compile as ts_compile
+from . import compile_cache
 from .config import DEFAULT
 
 NOISE_ERROR = 1e-4  # bound on |g~ - g| (the measured worst case is ~2e-6)
@@ -49,13 +49,13 @@ def approx_gumbel(bits: torch.Tensor, *, in_place: bool = False) -> torch.Tensor
 def approx_scores(key32: torch.Tensor, ids: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     """fl(z + g~) over a block (key32 int32 [R, 1], ids int32 [W], z float32 [R, W], threshold
     float32 [R, 1]), -inf where z < threshold or z = -inf. Written without in-place ops so that
-    `compile.maybe_compiled` can fuse it into one loop; the eager path uses the same function."""
+    `compile_cache.maybe_compiled` can fuse it into one loop; the eager path uses the same function."""
     g = approx_gumbel(rng.hash32_words(key32 ^ ids))
     removed = (z < threshold) | (z == NEG_INF)
     return torch.where(removed, NEG_INF, z + g)
 
 
-ts_compile.register("approx_scores", approx_scores, rows=(0, 2, 3))  # ids: the block's columns
+compile_cache.register("approx_scores", approx_scores, rows=(0, 2, 3))  # ids: the block's columns
 
 
 def exact_scores(values: torch.Tensor, keys: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -104,14 +104,15 @@ def gumbel_argmax_candidates(values: torch.Tensor, ids: torch.Tensor, keys: torc
 
 
 def gumbel_argmax_dense(z: torch.Tensor, threshold: torch.Tensor, keys: torch.Tensor,
-                        block: int = DEFAULT.dense_block) -> torch.Tensor:
+                        block: int = DEFAULT.dense_block, compiled: bool = False) -> torch.Tensor:
     """z: float32 [R, V] (-inf = removed); threshold: float32 [R], ids with z < threshold are not
     kept; keys: int64 [R]. Returns int64 [R], the Gumbel argmax over each row's kept ids.
 
     One pass over column blocks keeps a running best approximate score and the ids within the
     margin of it; a final filter against the row's overall best leaves the exact candidates.
+    compiled: each block's approximate scores in one compiled loop (the sampler's choice).
     """
-    scores_of = ts_compile.maybe_compiled("approx_scores", approx_scores)
+    scores_of = compile_cache.maybe_compiled("approx_scores", approx_scores, compiled)
     num_rows, vocab = z.shape
     key32 = rng.to_int32_words(keys)[:, None]
     threshold = threshold[:, None].contiguous()

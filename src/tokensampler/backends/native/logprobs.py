@@ -35,7 +35,7 @@ import torch
 from ...core.constants import NEG_INF
 from ...core.order import value_id_keys
 from ...core.output import LogprobsOutput
-from . import compile as ts_compile
+from . import compile_cache, torch_private
 
 CHUNK = 64  # ids per chunk of the top-N search (V / CHUNK chunk maxima per row)
 RANK_CHUNKS = 256  # most chunks a rank is counted in before a full-row count
@@ -46,14 +46,8 @@ def aten_lanes() -> int:
     """float32 lanes of the vector unit ATen's CPU `log_softmax` runs on and inductor compiles for;
     0 when they are unknown or differ (then the exact eager path is used)."""
     lanes = _ATEN_LANES.get(torch.backends.cpu.get_cpu_capability(), 0)
-    if lanes and ts_compile.enabled():
-        try:
-            from torch._inductor.cpu_vec_isa import pick_vec_isa
-            isa = pick_vec_isa()
-            if not isa or isa.nelements(torch.float32) != lanes:
-                return 0
-        except Exception:  # noqa: BLE001 - a private API: without it, stay exact
-            return 0
+    if lanes and torch_private.vector_lanes() != lanes:
+        return 0
     return lanes
 
 
@@ -105,17 +99,19 @@ class RowStats:
     log_sum: torch.Tensor | None
 
 
-def fast_normaliser(vocab: int) -> int:
-    """ATen's lane count when the compiled normaliser applies (compile on, known lanes), else 0."""
-    lanes = aten_lanes() if ts_compile.enabled() else 0
+def fast_normaliser(vocab: int, compiled: bool) -> int:
+    """ATen's lane count when the compiled normaliser applies (`compiled`, the sampler's choice;
+    known lanes; its compiled function not fallen back to eager), else 0."""
+    lanes = aten_lanes() if compiled and not compile_cache.runs_eagerly("logprob_lanes") else 0
     return lanes if vocab >= lanes else 0
 
 
-def row_stats(scores: torch.Tensor, normalise: bool) -> RowStats:
-    """scores: clean float32 [R, V] (no NaN; +inf rows are the caller's to exclude)."""
+def row_stats(scores: torch.Tensor, normalise: bool, compiled: bool = False) -> RowStats:
+    """scores: clean float32 [R, V] (no NaN; +inf rows are the caller's to exclude). compiled: the
+    normaliser from one compiled pass where it applies (`fast_normaliser`)."""
     maxima = chunk_maxima(scores)
     row_max = maxima.amax(dim=-1)
-    lanes = fast_normaliser(scores.shape[1]) if normalise else 0
+    lanes = fast_normaliser(scores.shape[1], compiled) if normalise else 0
     return RowStats(maxima, row_max, normaliser(scores, row_max, lanes) if lanes else None)
 
 
@@ -129,8 +125,8 @@ def _counts(x3: torch.Tensor, threshold: torch.Tensor) -> torch.Tensor:
     return (x3 >= threshold[:, None, None]).sum(dim=(1, 2), dtype=torch.int32)
 
 
-ts_compile.register("logprob_lanes", _lane_sums, unbacked=((0, 1),))  # dim 1 unbacked: a fixed-order sum
-ts_compile.register("logprob_counts", _counts)
+compile_cache.register("logprob_lanes", _lane_sums, unbacked=((0, 1),))  # dim 1 unbacked: a fixed-order sum
+compile_cache.register("logprob_counts", _counts)
 
 
 def _fold_lanes(lanes: torch.Tensor) -> torch.Tensor:
@@ -143,37 +139,39 @@ def _fold_lanes(lanes: torch.Tensor) -> torch.Tensor:
 
 def normaliser(scores: torch.Tensor, row_max: torch.Tensor, lanes: int) -> torch.Tensor:
     """scores: float32 [R, V] (rows may be strided, the last dim contiguous); row_max: float32 [R];
-    lanes: `fast_normaliser(V)` (> 0). Returns log S float32 [R], S = sum exp(scores - row_max)
+    lanes: `fast_normaliser(V, True)` (> 0). Returns log S float32 [R], S = sum exp(scores - row_max)
     summed in ATen's log_softmax order. Rows whose max is -inf get NaN (the caller masks them)."""
     rows, vocab = scores.shape
     main = vocab - vocab % lanes
     x3 = scores[:, :main].unflatten(-1, (main // lanes, lanes))
     # x3's dim 1 unbacked: a fixed-order sum (no cascade summation)
-    sums = ts_compile.maybe_compiled("logprob_lanes", _lane_sums)(x3, row_max)
+    sums = compile_cache.maybe_compiled("logprob_lanes", _lane_sums, True)(x3, row_max)
     if main < vocab:  # ATen adds the tail vector into the first lanes
         sums = sums.clone()
         sums[:, :vocab - main] += torch.exp(scores[:, main:] - row_max[:, None])
     return torch.log(_fold_lanes(sums))
 
 
-def ranks_of(scores: torch.Tensor, token_scores: torch.Tensor) -> torch.Tensor:
-    """int64 [R]: ids with score >= token score, over clean float32 scores (compiled count when on)."""
-    if ts_compile.enabled() and scores.shape[1] >= CHUNK:
+def ranks_of(scores: torch.Tensor, token_scores: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """int64 [R]: ids with score >= token score, over clean float32 scores (a compiled count when
+    `compiled`, the sampler's choice)."""
+    if compiled and scores.shape[1] >= CHUNK:
         main = scores.shape[1] - scores.shape[1] % CHUNK
         x3 = scores[:, :main].unflatten(-1, (main // CHUNK, CHUNK))
-        ranks = ts_compile.maybe_compiled("logprob_counts", _counts)(x3, token_scores).to(torch.int64)
+        ranks = compile_cache.maybe_compiled("logprob_counts", _counts, True)(x3, token_scores).to(torch.int64)
         return ranks + (scores[:, main:] >= token_scores[:, None]).sum(dim=-1)
     return (scores >= token_scores[:, None]).sum(dim=-1, dtype=torch.int32).to(torch.int64)
 
 
-def ranks_from_chunks(rows: ScoreRows, maxima: torch.Tensor, token_scores: torch.Tensor) -> torch.Tensor:
+def ranks_from_chunks(rows: ScoreRows, maxima: torch.Tensor, token_scores: torch.Tensor,
+                      compiled: bool = False) -> torch.Tensor:
     """int64 [R]: ids with score >= token score, counted only in the chunks whose max reaches it
     (`topk` of the maxima, as many as the row with the most); a full count if that is over
-    RANK_CHUNKS chunks (a token far down its row)."""
+    RANK_CHUNKS chunks (a token far down its row; compiled when `compiled`)."""
     vocab = rows.shape[1]
     reach = int((maxima >= token_scores[:, None]).sum(dim=-1).max())
     if reach > RANK_CHUNKS:
-        return ranks_of(rows.full(), token_scores)
+        return ranks_of(rows.full(), token_scores, compiled)
     chunks = torch.topk(maxima, reach, dim=-1).indices  # every chunk with max >= token score
     ids = (chunks[:, :, None] * CHUNK + torch.arange(CHUNK, device=maxima.device)).flatten(1)
     hits = (rows.gather(ids.clamp(max=vocab - 1)) >= token_scores[:, None]) & (ids < vocab)
@@ -215,7 +213,7 @@ def top_n_ids(scores, num: torch.Tensor, width: int, maxima: torch.Tensor | None
 
 
 def gather_logprobs(scores, tokens: torch.Tensor, num_logprobs: torch.Tensor, width: int,
-                    normalise: bool, stats: RowStats | None = None) -> LogprobsOutput:
+                    normalise: bool, stats: RowStats | None = None, compiled: bool = False) -> LogprobsOutput:
     """Steps 2 / 12: the sampled token's value and rank and each row's top-N, read by gathers.
 
     Parameters
@@ -226,6 +224,7 @@ def gather_logprobs(scores, tokens: torch.Tensor, num_logprobs: torch.Tensor, wi
     width: the output's N (the batch's largest); shorter rows are padded with id -1 / value -inf.
     normalise: values are log_softmax of the scores (else the scores themselves).
     stats: `row_stats` of these scores, if the caller has them.
+    compiled: the full-row passes compiled (the sampler's choice; the same ids and ranks either way).
 
     Returns
     -------
@@ -236,7 +235,7 @@ def gather_logprobs(scores, tokens: torch.Tensor, num_logprobs: torch.Tensor, wi
     batch, vocab = rows.shape
     device = rows.scores.device
     if stats is None:
-        stats = row_stats(rows.full(), normalise)
+        stats = row_stats(rows.full(), normalise, compiled)
     token_scores = rows.gather(tokens[:, None]).squeeze(-1)
     if width > 0:
         top_ids = top_n_ids(rows, num_logprobs, width, stats.maxima)
@@ -246,7 +245,7 @@ def gather_logprobs(scores, tokens: torch.Tensor, num_logprobs: torch.Tensor, wi
         top_ids = torch.empty((batch, 0), dtype=torch.int64, device=device)
         padding = torch.empty((batch, 0), dtype=torch.bool, device=device)
         top_scores = torch.empty((batch, 0), dtype=torch.float32, device=device)
-    ranks = ranks_from_chunks(rows, stats.maxima, token_scores)
+    ranks = ranks_from_chunks(rows, stats.maxima, token_scores, compiled)
     if not normalise:
         token_values, top_values = token_scores, top_scores
     elif stats.log_sum is not None:

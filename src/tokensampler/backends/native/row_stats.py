@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from . import compile as ts_compile
+from . import compile_cache
 from .config import DEFAULT, NativeConfig
 from .indexing import column_chunks
 
@@ -41,9 +41,9 @@ def _count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, s
     return _count(z, floor), _tail(z, z_max, floor, scale)
 
 
-ts_compile.register("winnable_count", _count)
-ts_compile.register("count_and_tail", _count_and_tail)
-ts_compile.register("tail_mass", _tail)
+compile_cache.register("winnable_count", _count)
+compile_cache.register("count_and_tail", _count_and_tail)
+compile_cache.register("tail_mass", _tail)
 
 
 def _count_eager(z: torch.Tensor, floor: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -65,21 +65,23 @@ def _tail_eager(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale
     return total
 
 
-def winnable_count(z: torch.Tensor, floor: torch.Tensor, config: NativeConfig = DEFAULT) -> torch.Tensor:
-    """z: float32 [R, V]; floor: float32 [R]. Returns int64 [R]: the ids with z >= floor."""
-    if not ts_compile.enabled():
+def winnable_count(z: torch.Tensor, floor: torch.Tensor, config: NativeConfig = DEFAULT,
+                   compiled: bool = False) -> torch.Tensor:
+    """z: float32 [R, V]; floor: float32 [R]. Returns int64 [R]: the ids with z >= floor.
+    compiled: one compiled loop per row (the sampler's choice), else column chunks eagerly."""
+    if not compiled:
         return _count_eager(z, floor, config.column_chunk)
-    return ts_compile.maybe_compiled("winnable_count", _count)(z, floor)
+    return compile_cache.maybe_compiled("winnable_count", _count, True)(z, floor)
 
 
 def winnable_count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor,
-                            scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT,
+                            compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(`winnable_count`, `tail_mass`) from one pass (compiled: one vectorised loop per row)."""
-    if not ts_compile.enabled():
+    if not compiled:
         return _count_eager(z, floor, config.column_chunk), _tail_eager(z, z_max, floor, scale, config.column_chunk)
     scale = torch.ones_like(z_max) if scale is None else scale
-    return ts_compile.maybe_compiled("count_and_tail", _count_and_tail)(z, z_max, floor, scale)
+    return compile_cache.maybe_compiled("count_and_tail", _count_and_tail, True)(z, z_max, floor, scale)
 
 
 def estimated_count(z: torch.Tensor, floor: torch.Tensor, stride: int = 16) -> torch.Tensor:
@@ -90,15 +92,15 @@ def estimated_count(z: torch.Tensor, floor: torch.Tensor, stride: int = 16) -> t
 
 
 def tail_mass(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor | None = None,
-              config: NativeConfig = DEFAULT) -> torch.Tensor:
+              config: NativeConfig = DEFAULT, compiled: bool = False) -> torch.Tensor:
     """z: float32 [R, V] (-inf = removed); z_max: float32 [R], finite; floor: float32 [R], in the
     rows' own units; scale: float32 [R] when the rows hold z * scale (undivided logits), else None.
     Returns float64 [R]: the sum of exp(z / scale - z_max) over the ids with z < floor, within
-    `mass_error(tail)` of the reference's sum."""
-    if not ts_compile.enabled():
+    `mass_error(tail)` of the reference's sum (compiled: one loop per row, else column chunks)."""
+    if not compiled:
         return _tail_eager(z, z_max, floor, scale, config.column_chunk)
     scale = torch.ones_like(z_max) if scale is None else scale
-    return ts_compile.maybe_compiled("tail_mass", _tail)(z, z_max, floor, scale)
+    return compile_cache.maybe_compiled("tail_mass", _tail, True)(z, z_max, floor, scale)
 
 
 def mass_error(tail: torch.Tensor, vocab: int) -> torch.Tensor:

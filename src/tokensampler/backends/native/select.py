@@ -75,7 +75,8 @@ def head_floor(z: torch.Tensor, chunks: int, chunk: int = 64) -> torch.Tensor:
 
 def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
                       count: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                      config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                      config: NativeConfig = DEFAULT, compiled: bool = False
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The candidate list: every id with z >= lower[r], without sorting the row (one count, one
     compare, one compaction).
 
@@ -84,6 +85,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
     z: float32 [R, V]. lower: float32 [R], finite. cap: the longest list allowed.
     count: int64 [R], the ids per row with z >= lower if already counted.
     scale: float32 [R]: the listed values are z / scale (the caller's undivided logits).
+    compiled: count with the compiled `winnable_count` (the sampler's choice).
 
     Returns
     -------
@@ -91,7 +93,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
     order (callers sort only the prefix they read), padded with -inf / id 0; None if a row has more
     than `cap` ids."""
     if count is None:
-        count = winnable_count(z, lower, config)
+        count = winnable_count(z, lower, config, compiled)
     width = int(count.max()) if count.numel() else 0
     if width > cap:  # checked before the compaction, which would be as large as the row
         return None

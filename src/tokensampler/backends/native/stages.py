@@ -202,16 +202,18 @@ def restore_cells(z: torch.Tensor, undo: list[Cells]) -> None:
 # ------------------------------------------------------------------ steps 7-11: the filters
 def filter_columns(state: SamplerState, slots: torch.Tensor, params: Sequence[SamplingParams],
                    config: NativeConfig = DEFAULT,
-                   dense_buffer: Callable[[int], torch.Tensor] | None = None) -> fused.RowColumns:
+                   dense_buffer: Callable[[int], torch.Tensor] | None = None,
+                   compiled: bool = False) -> fused.RowColumns:
     """The parameter columns of sampled rows (slots int64 [R], their params) for `filter_and_draw`:
     temperature, min-p, top-k, top-p, the noise keys (seed, position, stream), and which filters
-    some row needs."""
+    some row needs; `compiled`: the full-row passes through the compile cache (the sampler's choice)."""
     st = state
     return fused.RowColumns(
         temperature=st.temperature[slots], min_p=st.min_p[slots], top_k=st.top_k[slots], top_p=st.top_p[slots],
         keys=rng.row_key(st.seed[slots], st.position[slots], st.stream[slots]),
         any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
-        any_top_p=any(p.top_p < 1.0 for p in params), dense_buffer=dense_buffer, config=config)
+        any_top_p=any(p.top_p < 1.0 for p in params), dense_buffer=dense_buffer, config=config,
+        compiled=compiled)
 
 
 def filter_and_draw(z: torch.Tensor, z_max: torch.Tensor, cols: fused.RowColumns, *, exact_threshold: bool,

@@ -29,7 +29,6 @@ from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...state import SamplerState
-from . import compile as ts_compile
 from . import logprobs, masking, stages
 from .argmax import block_maxima, first_argmax
 from .config import DEFAULT, NativeConfig
@@ -40,8 +39,10 @@ class TorchStep:
 
     capturable = False  # reads small per-row results back to the host to choose routes
 
-    def __init__(self, state: SamplerState, logprobs_mode: str, config: NativeConfig | None = None) -> None:
+    def __init__(self, state: SamplerState, logprobs_mode: str, config: NativeConfig | None = None,
+                 compiled: bool = False) -> None:
         self.state = state
+        self.compiled = compiled  # the full-row passes through the compile cache (the sampler's choice)
         self.vocab_size = state.width
         self.logprobs_mode = logprobs_mode
         self.device = state.device
@@ -165,7 +166,7 @@ class TorchStep:
         """Raw logprobs of the direct route: all rows at once when compiled (the statistics are
         reductions: small temporaries), else a block of rows at a time (eager log_softmax writes a
         block-sized tensor)."""
-        rows_per_call = logits.shape[0] if ts_compile.enabled() else self._block_rows
+        rows_per_call = logits.shape[0] if self.compiled else self._block_rows
         for start in range(0, logits.shape[0], rows_per_call):
             stop = min(logits.shape[0], start + rows_per_call)
             self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
@@ -266,7 +267,8 @@ class TorchStep:
         everyone = len(sampled) == z.shape[0]
         zs = z if everyone else z[sampled]
         cols = stages.filter_columns(self.state, slots if everyone else slots[sampled],
-                                     [block_params[b] for b in sampled], self.config, self._dense_buffer)
+                                     [block_params[b] for b in sampled], self.config, self._dense_buffer,
+                                     compiled=self.compiled)
         drawn = stages.filter_and_draw(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed,
                                        in_place=in_place)
         if drawn is None:
@@ -282,13 +284,13 @@ class TorchStep:
         """Raw modes, compiled: the chunk maxima and the normaliser of the raw scores of the rows that
         asked, from the block's fresh float32 copy while it is in cache (None for a block holding
         +inf, whose raw scores follow the +inf rule, and where nothing is asked)."""
-        if not self.logprobs_mode.startswith("raw") or not ts_compile.enabled():
+        if not self.logprobs_mode.startswith("raw") or not self.compiled:
             return None
         asked = [b for b in range(stop - start) if plan.num_logprobs[start + b] >= 0]
         if not asked:
             return None
         stats = logprobs.row_stats(z if len(asked) == stop - start else z[asked],
-                                   normalise=self.logprobs_mode == "raw_logprobs")
+                                   normalise=self.logprobs_mode == "raw_logprobs", compiled=self.compiled)
         return None if bool(torch.isposinf(stats.row_max).any()) else stats
 
     def _logprobs(self, logits: torch.Tensor, final: torch.Tensor | None, tokens: torch.Tensor,
@@ -312,7 +314,7 @@ class TorchStep:
         else:
             scores = final if len(asked) == stop - start else final[asked]
         num = torch.tensor([plan.num_logprobs[start + b] for b in asked], dtype=torch.int64, device=tokens.device)
-        part = logprobs.gather_logprobs(scores, tokens[asked], num, width, normalise, raw_stats)
+        part = logprobs.gather_logprobs(scores, tokens[asked], num, width, normalise, raw_stats, self.compiled)
         where = slice(start, stop) if len(asked) == stop - start else [start + b for b in asked]
         result.token_logprobs[where] = part.token_logprobs
         result.token_ranks[where] = part.token_ranks

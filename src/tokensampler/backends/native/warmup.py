@@ -1,6 +1,6 @@
 """`warm`: run the torch step once on every route, so that no later step compiles anything.
 
-The step's compiled reductions (`compile.maybe_compiled`) are prepared on their first call: one
+The step's compiled reductions (`compile_cache.maybe_compiled`) are prepared on their first call: one
 artefact per input layout, generic in the batch size (0, 1 and 2 included) and the vocabulary
 width, compiled once and then loaded from the on-disk cache. Which functions a step calls depends
 on its rows: peaked rows take candidate lists, flat rows the dense route, rows with many winnable
@@ -79,7 +79,7 @@ def _run_mixes(vocab: int, padded: int, logprobs_mode: str, config: NativeConfig
     """Every mix of `MIXES` on every input layout of `_inputs`, through a scratch two-slot torch
     step of this width. Returns the number of steps run."""
     state = SamplerState(2, VocabLayout(vocab, padded), device)
-    step = TorchStep(state, logprobs_mode, config)
+    step = TorchStep(state, logprobs_mode, config, compiled=True)
     generator = torch.Generator().manual_seed(0)
     history = list(range(min(vocab, 40)))
     steps = 0
@@ -98,23 +98,23 @@ def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: Na
          device: torch.device | str = "cpu") -> dict:
     """Run every mix of `MIXES` through a scratch torch step with this sampler's logprobs mode and
     config, on each input layout of `_inputs`. The compiled functions are generic in the batch size
-    and the vocabulary width (only their layout selects an artefact: `compile`), so the scratch
+    and the vocabulary width (only their layout selects an artefact: `compile_cache`), so the scratch
     vocabulary is at most WARM_VOCAB wide, with the sampler's padding. A warm-up records what it
-    used (`compile.save_manifest`); the next one with the same signature loads that, then runs
+    used (`compile_cache.save_manifest`); the next one with the same signature loads that, then runs
     the mixes once at EXERCISE_VOCAB wide (a loaded function's first call does dynamo's first-run
     bookkeeping and touches its code for the first time: a few ms each, kept off serving steps).
     Returns {"seconds": wall time, "steps": count, "prepared": compiled functions compiled or loaded}."""
-    from . import compile as ts_compile
-    start, prepared = time.perf_counter(), ts_compile.prepared()
+    from . import compile_cache
+    start, prepared = time.perf_counter(), compile_cache.prepared()
     device = torch.device(device)
     vocab = min(vocab_size, WARM_VOCAB)
     padded = vocab + padded_vocab_size - vocab_size
     signature = repr((vocab, padded, logprobs_mode, config, device.type, torch.get_num_threads()))
-    if ts_compile.preload_manifest(signature):
+    if compile_cache.preload_manifest(signature):
         small = min(vocab, EXERCISE_VOCAB)
         steps = _run_mixes(small, small + padded - vocab, logprobs_mode, config, device)
     else:
-        since = ts_compile.call_counts()
+        since = compile_cache.call_counts()
         steps = _run_mixes(vocab, padded, logprobs_mode, config, device)
-        ts_compile.save_manifest(signature, since)
-    return {"seconds": time.perf_counter() - start, "steps": steps, "prepared": ts_compile.prepared() - prepared}
+        compile_cache.save_manifest(signature, since)
+    return {"seconds": time.perf_counter() - start, "steps": steps, "prepared": compile_cache.prepared() - prepared}

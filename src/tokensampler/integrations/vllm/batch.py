@@ -43,18 +43,21 @@ class BatchState:
     shards: sample this rank's columns of the logits (`shards.shard_layout`) over `group`, the
     tensor-parallel group (the generator's vocabulary split: the same tokens on every rank, and
     rank 0's seeds for unseeded requests); None: the whole rows, on this rank alone.
+    backend, compile: the generator's `Sampler` choice (the plugin's sampler resolves them once).
     """
 
     def __init__(self, lanes: int, vocab_size: int, device: torch.device | str, *, logprobs_mode: str,
                  max_logprobs: int, seed_source: Callable[[], int] | None = None,
-                 shards: VocabLayout | None = None, group: Any = None) -> None:
+                 shards: VocabLayout | None = None, group: Any = None, backend: str | None = None,
+                 compile: bool | None = None) -> None:
         self.lanes = lanes
         self.vocab_size = vocab_size
         self.shards = shards
         self.generator = SamplingGenerator(vocab_size, max_batch_size=lanes, device=device,
                                            logprobs_mode=logprobs_mode, max_logprobs=max_logprobs,
                                            seed_source=seed_source, group=group,
-                                           padded_vocab_size=None if shards is None else shards.padded_vocab_size)
+                                           padded_vocab_size=None if shards is None else shards.padded_vocab_size,
+                                           backend=backend, compile=compile)
         self.held: list[str | None] = [None] * lanes  # the request id each slot holds
         self.seeds: dict[str, int] = {}  # request id -> effective seed (drawn for unseeded requests)
 

@@ -27,6 +27,7 @@ import torch
 from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.sampler import Sampler as VllmSampler
 
+from ...backends.choice import resolve_names
 from ...state.layout import VocabLayout
 from .batch import LOG, BatchState
 from .logprobs import to_vllm_logprobs
@@ -36,9 +37,14 @@ from .shards import LogitsPath, choose_path, shard_layout
 
 
 class TokenSamplerSampler(VllmSampler):
-    """vLLM's sampler, sampling with tokensampler; bound to one model runner (`bind`)."""
+    """vLLM's sampler, sampling with tokensampler; bound to one model runner (`bind`).
 
-    def __init__(self, logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False) -> None:
+    backend, compile: the tokensampler backend and torch.compile choice of every batch's sampler,
+    resolved here, once (None: TOKENSAMPLER_BACKEND / TOKENSAMPLER_COMPILE, read now)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs", use_fp64_gumbel: bool = False,
+                 backend: str | None = None, compile: bool | None = None) -> None:
+        self.backend, self.compile = resolve_names(backend, compile)  # before any state: a bad value raises
         super().__init__(logprobs_mode=logprobs_mode, use_fp64_gumbel=use_fp64_gumbel)
         self._runner: Any = None
         self._states: dict[int, BatchState] = {}  # id(input batch) -> its state
@@ -75,10 +81,11 @@ class TokenSamplerSampler(VllmSampler):
                 group = tp.device_group if torch.device(runner.device).type == "cuda" else tp.cpu_group
                 state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
                                    max_logprobs=max_logprobs, shards=shard_layout(tp.rank, tp.world_size, vocab),
-                                   group=group)
+                                   group=group, backend=self.backend, compile=self.compile)
             else:  # the ranks of a tensor-parallel group draw the same seeds for unseeded requests
                 state = BatchState(runner.max_num_reqs, vocab, runner.device, logprobs_mode=self.logprobs_mode,
-                                   max_logprobs=max_logprobs, seed_source=agreed_seed_source(tp))
+                                   max_logprobs=max_logprobs, seed_source=agreed_seed_source(tp),
+                                   backend=self.backend, compile=self.compile)
             LOG.info("sampling on %s logits: %s", path.value, why)
             self._states = {id(batch): state}  # an older batch is gone for good
         return state

@@ -1,4 +1,8 @@
-"""torch.compile switch of the CPU fast path: `TOKENSAMPLER_COMPILE=0` keeps everything eager.
+"""The compile cache of the torch step: its compiled functions, prepared once per input layout.
+
+Whether a sampler compiles is its own choice, made when it is made (`Sampler(compile=...)`,
+default TOKENSAMPLER_COMPILE, `backends.choice`); the step passes it to `maybe_compiled`, so
+nothing here reads it. Every private torch API this needs is in `torch_private`.
 
 Compiled: full-row reductions (`row_stats` counts and tail masses, the dense route's threshold
 and race passes in `dense`, the logprob normaliser and rank counts in `logprobs`) and the
@@ -21,7 +25,10 @@ and the source of the compiled code; a later process loads it without tracing
 (`torch.compiler.load_compiled_function`; inductor's once-per-process check of the CPU's vector ISA
 is skipped while loading when a compilation on this machine passed it). A call whose inputs fail the
 loaded function's guards runs eagerly (same tokens) and is counted in `report()`. Where
-ahead-of-time compilation is not available (older torch) the function is compiled just in time.
+ahead-of-time compilation is not available, or TOKENSAMPLER_COMPILE_JIT is set when this module is
+imported, the function is compiled just in time. When torch's internals do not behave as expected
+(an attribute missing, an internal raising while a function is prepared or run), that function runs
+eagerly from then on (same tokens) and one `CompileFallbackWarning` is emitted per process.
 `Sampler.warmup` prepares every layout a sampler uses before serving (`warmup.warm`, which records
 what it prepared so that the next process only loads).
 """
@@ -43,20 +50,17 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from . import torch_private
+
 _FUNCTIONS: dict[str, "CompiledFunction"] = {}
 _LOCK = threading.RLock()
 _SOURCE_KEY: list[str] = []
-
-
-def enabled() -> bool:
-    """True unless TOKENSAMPLER_COMPILE is 0/false/no/off."""
-    return os.environ.get("TOKENSAMPLER_COMPILE", "1").strip().lower() not in ("0", "false", "no", "off")
+_JIT = bool(os.environ.get("TOKENSAMPLER_COMPILE_JIT"))  # just-in-time compilation (read once, at import)
 
 
 def cache_dir() -> str:
     """Where inductor keeps its compiled artefacts (read only: this changes no environment variable)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    return os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+    return torch_private.inductor_cache_dir()
 
 
 def _source_key() -> str:
@@ -84,9 +88,13 @@ def _record_isa() -> None:
     artefact folder is keyed by the CPU capability), so that loads skip re-running it."""
     marker = artefact_dir() / "isa-checked"
     if not marker.exists():
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-        if pick_vec_isa():
-            marker.write_text(str(pick_vec_isa()))
+        try:
+            name = torch_private.vec_isa_name()
+        except Exception as error:  # noqa: BLE001 - a private API: loads then probe the ISA themselves
+            torch_private.warn_fallback("the vector ISA is not recorded (loads probe it again)", error)
+            return
+        if name:
+            marker.write_text(name)
 
 
 @contextlib.contextmanager
@@ -97,8 +105,11 @@ def _probed_isa():
     if not (artefact_dir() / "isa-checked").exists():
         yield
         return
-    import torch._inductor.config as inductor_config
-    with inductor_config.patch({"cpp.vec_isa_ok": True}):
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(torch_private.vec_isa_assumed_ok())
+        except Exception as error:  # noqa: BLE001 - a private API: the load probes the ISA itself
+            torch_private.warn_fallback("loads probe the vector ISA again", error)
         yield
 
 
@@ -114,7 +125,7 @@ def _plain(value: Any) -> Any:
         if value.shape[dim] <= 1:
             strides[dim] = stride
         stride *= max(value.shape[dim], 1)
-    if value._base is None and strides == list(value.stride()) and not value.is_inference():
+    if not torch_private.is_view(value) and strides == list(value.stride()) and not value.is_inference():
         return value
     return value.new_empty(0).set_(value.untyped_storage(), value.storage_offset(), value.size(), strides)
 
@@ -139,13 +150,8 @@ def _layout(args: Sequence[Any], rows: Sequence[int]) -> tuple:
     return tuple(key)
 
 
-def _refused(error: RuntimeError) -> bool:
-    """True when `error` is a precompiled function's guards refusing its inputs."""
-    return "GuardManager check failed" in str(error)
-
-
 def _aot_available() -> bool:
-    return hasattr(torch.compiler, "load_compiled_function") and not os.environ.get("TOKENSAMPLER_COMPILE_JIT")
+    return torch_private.aot_available() and not _JIT
 
 
 class CompiledFunction:
@@ -164,8 +170,11 @@ class CompiledFunction:
         self.files: dict[tuple, Path] = {}  # layout -> its artefact on disk (`save_manifest`)
         self.stats = {"loaded": 0, "compiled": 0, "fallbacks": 0, "seconds": 0.0}
         self.calls: dict[tuple, int] = {}  # layout -> calls of its variant (a first call costs more)
+        self.eager: str | None = None  # why this function runs eagerly from now on (torch's internals failed)
 
     def __call__(self, *args: Any) -> Any:
+        if self.eager is not None:
+            return self.fn(*args)
         if torch.is_inference_mode_enabled():  # the artefacts are made and guarded outside it
             with torch.inference_mode(False):
                 return self(*args)
@@ -179,18 +188,28 @@ class CompiledFunction:
         if variant is None:
             with _LOCK:
                 if layout not in self.variants:
-                    return self._prepare(layout, args, rows)
+                    try:
+                        return self._prepare(layout, args, rows)
+                    except Exception as error:  # noqa: BLE001 - torch's internals: eager from now on
+                        return self._run_eagerly(error, args)
                 variant = self.variants[layout]
         self._count_call(layout)
         try:
             return variant(*args)
-        except RuntimeError as error:
-            if not _refused(error):
-                raise
+        except Exception as error:  # noqa: BLE001 - a guard refusal (eager this call), or torch's internals
+            if not torch_private.is_guard_refusal(error):
+                return self._run_eagerly(error, args)
             self.stats["fallbacks"] += 1  # inputs this variant's guards do not cover: eager, same tokens
             if len(self.refusals) < 3:
                 self.refusals.append(f"{layout!r}: {error}"[:2000])
             return self.fn(*args)
+
+    def _run_eagerly(self, error: Exception, args: tuple) -> Any:
+        """`fn` on `args`, and eagerly from now on: preparing or running a compiled variant raised
+        `error` (torch's internals differ from what `torch_private` expects); one warning per process."""
+        self.eager = f"{type(error).__name__}: {error}"[:2000]
+        torch_private.warn_fallback(f"{self.name} runs eagerly", error)
+        return self.fn(*args)
 
     def _path(self, layout: tuple) -> Path:
         path = artefact_dir() / f"{self.name}-{hashlib.sha256(repr(layout).encode()).hexdigest()[:16]}.bin"
@@ -227,7 +246,7 @@ class CompiledFunction:
                 try:
                     result = variant(*args)
                 except RuntimeError as error:
-                    if not _refused(error):
+                    if not torch_private.is_guard_refusal(error):
                         raise
                     variant = None
                 else:
@@ -257,7 +276,7 @@ class CompiledFunction:
             return None
         try:
             with path.open("rb") as handle, _probed_isa():
-                variant = torch.compiler.load_compiled_function(handle, f_globals=self.fn.__globals__)
+                variant = torch_private.load_artefact(handle, self.fn.__globals__)
         except Exception:  # noqa: BLE001 - a stale or partly written artefact: compile it again
             return None
         self.stats["loaded"] += 1
@@ -265,13 +284,13 @@ class CompiledFunction:
 
     def _compile(self, path: Path, args: tuple, rows: Sequence[int]) -> Callable:
         example = self._marked(args, rows)
-        with _size_oblivious():
-            variant = torch.compile(self.fn, fullgraph=True, dynamic=True).aot_compile((example, {}))
+        with torch_private.size_oblivious():
+            variant = torch_private.aot_compile(self.fn, example)
         self.stats["compiled"] += 1
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.part")
-            variant.save_compiled_function(str(partial))
+            torch_private.save_artefact(variant, str(partial))
             os.replace(partial, path)
             self.files[self._layout_of(path)] = path
             _record_isa()
@@ -282,14 +301,9 @@ class CompiledFunction:
     def _marked(self, args: tuple, rows: Sequence[int]) -> tuple:
         """Fresh aliases of the tensor arguments with the row dims marked dynamic and `unbacked`
         marked unbacked (the marks stay off the caller's tensors)."""
-        from torch._dynamo.decorators import mark_dynamic, mark_unbacked
         marked = tuple(a.new_empty(0).set_(a.untyped_storage(), a.storage_offset(), a.size(), a.stride())
                        if isinstance(a, torch.Tensor) else a for a in args)
-        for index in rows:
-            if isinstance(marked[index], torch.Tensor) and marked[index].dim():
-                mark_dynamic(marked[index], 0)
-        for index, dim in self.unbacked:
-            mark_unbacked(marked[index], dim)
+        torch_private.mark(marked, rows, self.unbacked)
         return marked
 
     def _jit(self, rows: Sequence[int]) -> Callable:
@@ -297,20 +311,9 @@ class CompiledFunction:
         self.stats["compiled"] += 1
 
         def call(*args: Any) -> Any:
-            with _LOCK, _size_oblivious():  # dynamo may trace inside the call
+            with _LOCK, torch_private.size_oblivious():  # dynamo may trace inside the call
                 return inner(*self._marked(args, rows))
         return call
-
-
-def _size_oblivious():
-    """While tracing: dynamic sizes are backed (inductor schedules with the example's sizes as hints)
-    but not specialised to 0 or 1, so one graph serves every row count. With the row count unbacked
-    instead, inductor's loops over a row ran several times slower (the dense route's race pass: 8.7
-    against 0.6 ms on 12 x 151,936)."""
-    import torch.fx.experimental._config as fx_config
-    if not hasattr(fx_config, "backed_size_oblivious"):
-        return contextlib.nullcontext()
-    return fx_config.patch(backed_size_oblivious=True)
 
 
 def register(name: str, fn: Callable, rows: Sequence[int] | None = None,
@@ -322,16 +325,22 @@ def register(name: str, fn: Callable, rows: Sequence[int] | None = None,
         _FUNCTIONS.setdefault(name, CompiledFunction(name, fn, rows, unbacked))
 
 
-def maybe_compiled(name: str, fn: Callable) -> Callable:
-    """The registered `CompiledFunction` of `name` (registered now if it is not) when compile is
-    enabled, else `fn`."""
-    if not enabled():
+def maybe_compiled(name: str, fn: Callable, compiled: bool) -> Callable:
+    """The registered `CompiledFunction` of `name` (registered now if it is not) when `compiled`
+    (the sampler's choice), else `fn`."""
+    if not compiled:
         return fn
     compiled = _FUNCTIONS.get(name)
     if compiled is None:
         register(name, fn)
         compiled = _FUNCTIONS[name]
     return compiled
+
+
+def runs_eagerly(name: str) -> bool:
+    """Whether the compiled function `name` fell back to eager for good (torch's internals failed)."""
+    function = _FUNCTIONS.get(name)
+    return function is not None and function.eager is not None
 
 
 def _manifest(signature: str) -> Path:
@@ -409,12 +418,18 @@ def layouts() -> list[str]:
 
 
 def report() -> dict:
-    """What the bench records: whether compile was on, where its artefacts live, and per compiled
-    function its variants, loads, compilations, eager fallbacks and seconds spent preparing."""
+    """What the bench records: where the artefacts live, and per compiled function its variants,
+    loads, compilations, eager fallbacks (guard refusals), seconds spent preparing, and why it runs
+    eagerly if torch's internals failed."""
     functions = {name: {"variants": len(f.variants),
                         "uncalled": len(f.uncalled()), **f.stats,
-                        **({"refusals": f.refusals} if f.refusals else {})}
+                        **({"refusals": f.refusals} if f.refusals else {}),
+                        **({"eager": f.eager} if f.eager else {})}
                  for name, f in _FUNCTIONS.items()}
-    return {"enabled": enabled(), "cache_dir": cache_dir(), "ahead_of_time": _aot_available() if _FUNCTIONS else None,
+    try:
+        where = cache_dir()
+    except Exception as error:  # noqa: BLE001 - a private API
+        where = f"unknown ({type(error).__name__})"
+    return {"cache_dir": where, "ahead_of_time": _aot_available() if _FUNCTIONS else None,
             "functions": functions,
             "first_call_seconds": {name: f["seconds"] for name, f in functions.items()}}
