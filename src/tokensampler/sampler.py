@@ -287,16 +287,11 @@ class Sampler:
 
     def positions_of(self, slots: Sequence[int]) -> list[int]:
         """The positions of the next tokens of occupied `slots` (one read of the device)."""
-        slot_list = int_list("slots", slots)
-        for slot in slot_list:
-            self._check_occupied(slot)
-        return self.state.positions(slot_list)
+        return self.state.positions(self._occupied_list(slots))
 
     def records_of(self, slots: Sequence[int]) -> list[SlotRecord]:
         """The host record (params, seed, drawn, stream) of each occupied slot of `slots`: no device read."""
-        slot_list = int_list("slots", slots)
-        for slot in slot_list:
-            self._check_occupied(slot)
+        slot_list = self._occupied_list(slots)
         return [self.state.record(slot) for slot in slot_list]
 
     def params_of(self, slot: int) -> SamplingParams:
@@ -549,6 +544,15 @@ class Sampler:
 
     def _check_slot(self, slot: int) -> None:
         check_int("slot", slot, 0, self.max_slots - 1, allowed=f"an int in [0, {self.max_slots})")
+
+    def _occupied_list(self, slots: Sequence[int]) -> list[int]:
+        """`slots` as a list of occupied slots (checked; fast when they are)."""
+        slot_list = list(slots) if isinstance(slots, range) else int_list("slots", slots)
+        params, limit = self.state.params, self.max_slots
+        for slot in slot_list:
+            if type(slot) is not int or not 0 <= slot < limit or params[slot] is None:
+                self._check_occupied(slot)
+        return slot_list
 
     def _check_occupied(self, slot: int) -> None:
         self._check_slot(slot)

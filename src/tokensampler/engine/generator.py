@@ -163,8 +163,7 @@ class SamplingGenerator:
         if not slots:
             return []
         # every check is done (on every rank): change state
-        seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams)
-        self.seed_manager.align_seed_counters_to_positions(slots, lengths)
+        seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams, positions=lengths)
         for slot, request in zip(slots, requests):
             self._occupied[slot] = True
             self._stale[slot] = self._prompt_stale[slot] = False
@@ -175,9 +174,9 @@ class SamplingGenerator:
     def release_slots(self, slots: Sequence[int]) -> None:
         """Empty `slots` (idempotent): they are sampled greedily and never counted until re-admitted."""
         slot_list = self.agreement.check("release_slots", lambda: self._check_slots("slots", slots))
+        self.seed_manager.release_slots(slot_list)
         for slot in slot_list:
             self._occupied[slot] = False
-            self.seed_manager.release_slot(slot)
             self._write_device_params(slot, NEUTRAL_PARAMS)
 
     # ------------------------------------------------------------ decode
@@ -316,7 +315,7 @@ class SamplingGenerator:
             check_bool("enable_trace", enable_trace)
             batch = self._check_logits(logits)
             active = self._active_lanes(active_slots, batch, "logits")
-            force_argmax = all(self.sampler.params_of(s).greedy for s in self.occupied_slots())
+            force_argmax = all(r.params.greedy for r in self.sampler.records_of(self.occupied_slots()))
             if enable_trace and self.agreement.shared and force_argmax == self._force_argmax:  # a flip drops all
                 self.tracer.check(logits, force_argmax)
             return batch, active, force_argmax

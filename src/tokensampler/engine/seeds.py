@@ -164,18 +164,30 @@ class SeedManager:
 
     # ------------------------------------------------------------ seeding
     def reset_seed(self, seeds: Sequence[int | None], slots: Sequence[int], *,
-                   streams: Sequence[int] | None = None) -> list[int]:
-        """New requests: `seeds[i]` (None or -1: draw one) goes to `slots[i]`, position 0, stream
-        `streams[i]` (default 0). Returns the effective seeds, in request order."""
+                   streams: Sequence[int] | None = None, positions: Sequence[int] | None = None) -> list[int]:
+        """New requests: `seeds[i]` (None or -1: draw one) goes to `slots[i]`, position
+        `positions[i]` (default 0), stream `streams[i]` (default 0). Returns the effective seeds,
+        in request order."""
         slot_list = check_slots("slots", slots, self.num_slots)
         seed_list = [_check_seed(s) for s in seeds]
         if len(seed_list) != len(slot_list):
             raise InvalidSamplingParams("seeds", f"{len(seed_list)} seeds", f"one per slot ({len(slot_list)})")
         stream_list = check_streams(streams, len(slot_list))
+        position_list = [0] * len(slot_list) if positions is None else self._check_positions(positions, slot_list)
         drawn = [seed is None for seed in seed_list]
         out = [self._draw() if seed is None else seed for seed in seed_list]
-        self._write(slot_list, out, drawn, [0] * len(slot_list), stream_list)
+        self._write(slot_list, out, drawn, position_list, stream_list)
         return out
+
+    @staticmethod
+    def _check_positions(positions: Sequence[int], slot_list: list[int]) -> list[int]:
+        position_list = int_list("positions", positions)
+        if len(position_list) != len(slot_list):
+            raise InvalidSamplingParams("positions", f"{len(position_list)} positions",
+                                        f"one per slot ({len(slot_list)})")
+        for position in position_list:
+            check_int("position", position, 0, POSITION_LIMIT - 1, allowed=f"an int in [0, {POSITION_LIMIT})")
+        return position_list
 
     def reset_seed_from_slots(self, seeds: Sequence[int | None], slots: Sequence[int]) -> list[int]:
         """Seeds indexed by slot (`seeds[s]` for each s in `slots`): a slot already holding that seed
@@ -205,12 +217,7 @@ class SeedManager:
     def align_seed_counters_to_positions(self, slots: Sequence[int], positions: Sequence[int]) -> None:
         """Set the position counter of `slots[i]` to `positions[i]` (the next token's position)."""
         slot_list = check_slots("slots", slots, self.num_slots)
-        position_list = int_list("positions", positions)
-        if len(position_list) != len(slot_list):
-            raise InvalidSamplingParams("positions", f"{len(position_list)} positions",
-                                        f"one per slot ({len(slot_list)})")
-        for position in position_list:
-            check_int("position", position, 0, POSITION_LIMIT - 1, allowed=f"an int in [0, {POSITION_LIMIT})")
+        position_list = self._check_positions(positions, slot_list)
         seeds, drawn = self.seeds, self.drawn
         self._write(slot_list, [seeds[s] for s in slot_list], [drawn[s] for s in slot_list], position_list,
                     [None] * len(slot_list))
@@ -265,7 +272,13 @@ class SeedManager:
     def release_slot(self, slot: int) -> None:
         """Forget the slot's seed (idempotent)."""
         check_slots("slot", [slot], self.num_slots)
-        self._write([slot], [None], [False], [0], [0])
+        self.release_slots([slot])
+
+    def release_slots(self, slots: Sequence[int]) -> None:
+        """Forget the seeds of `slots` (idempotent), all at once."""
+        slot_list = check_slots("slots", slots, self.num_slots)
+        count = len(slot_list)
+        self._write(slot_list, [None] * count, [False] * count, [0] * count, [0] * count)
 
     def snapshot(self, slot: int) -> tuple[int | None, int, int]:
         """(seed, position, stream) of `slot`."""
