@@ -19,7 +19,7 @@ import torch
 
 from tests.support.engine import Engine, Request
 from tests.support.slot_state import check_slot_state
-from tokensampler import SamplingParams
+from tokensampler import SamplingParams, SeedManager
 from tokensampler.engine.batch_params import BatchSamplingParams
 
 SP = SamplingParams
@@ -127,6 +127,17 @@ def test_the_seed_manager_of_a_generator_is_a_view_of_its_sampler():
     else:
         raise AssertionError("a view's remap must be refused (the generator's slot_remap moves the slots)")
     assert sm.snapshot(1) == (5, 9, 0)
+    sm.release_slots([1])
+    assert sm.seeds == [None] * 3 and gen.sampler.seed_of(1) is None and gen.sampler.position_of(1) == 0
+
+
+def test_a_seed_manager_of_its_own_keeps_its_lists():
+    sm = SeedManager(3, seed_source=iter([100, 101]).__next__)
+    assert sm.reset_seed([None, 4], [2, 0], streams=[1, 0], positions=[7, 3]) == [100, 4]
+    assert (sm.seeds, sm.drawn) == ([4, None, 100], [False, False, True])
+    assert (sm.positions, sm.streams) == ([3, 0, 7], [0, 0, 1])
+    sm.release_slots([0, 2])
+    assert sm.seeds == [None] * 3 and sm.positions == [0] * 3
 
 
 def test_the_vllm_batch_state_seeds_are_the_generators():

@@ -89,8 +89,8 @@ class SeedManager:
     seed_source: draws a seed for an unseeded request (default: 63 random bits from `secrets`).
     sampler: None (default), the manager keeps its own host lists (for an engine that samples on
       the host); a `Sampler`, the manager is a view of that sampler's slots (`SamplingGenerator`'s
-      `seed_manager`): every read asks the sampler (`seed_of`, `seed_drawn`, `stream_of`,
-      `positions_of`: one device read for the positions) and every write goes to it (`set_noise`,
+      `seed_manager`): every read asks the sampler (`records_of`, and `positions_of`: one device
+      read for the positions) and every write goes to it (`set_noise`,
       `advance`), so nothing is kept twice. `seeds`, `drawn`, `positions` and `streams` are then
       fresh lists on every read (writing into them changes nothing), and `apply_slot_remap` is
       refused: a remap moves a slot's whole state (`Sampler.move_slots`, through the generator).
