@@ -10,8 +10,12 @@ Every call runs the same pipeline, whatever the backend and whether the vocabula
    (step 13 of docs/semantics.md).
 
 Admission (`add_request`) and the slot-state methods the engine contract uses (`set_params`,
-`set_noise`, `reset_history`) follow steps 1 and then write the state, on this rank's vocabulary
-layout (`state.VocabLayout`). `sample(...)` is the stateless one-call form.
+`set_noise`, `reset_history`, `move_slots`, `advance`) follow step 1 and then write the state, on
+this rank's vocabulary layout (`state.VocabLayout`). The `SamplerState` is the one owner of every
+slot's state (parameters, seed, stream, position, history); nothing outside this module and
+`state/` touches it: slots are described by `seed_of`, `position_of`, `stream_of`, `params_of`,
+`seed_drawn` and `positions_of`, and a step is planned from `plan_rows`. `sample(...)` is the
+stateless one-call form.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from .core.params import SamplingParams, check_params_for_vocab
 from .core.plan import StepPlan, plan_step
 from .parallel.agreement import Agreement, fingerprint, params_key
 from .speculative import SPECULATIVE_MODES, STREAM_LIMIT, verify_match, verify_rejection
-from .state import SamplerState, VocabLayout
+from .state import SamplerState, SlotRecord, VocabLayout
 
 
 class Sampler:
@@ -118,7 +122,8 @@ class Sampler:
         (prompt, outputs, position), (drawn,) = self.agreement.check_sharing(
             "params", check, share=[rng.fresh_seed()], key=(slot, params, stream))
         seed = params.seed if params.seed is not None else drawn
-        self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids)
+        self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids,
+                         drawn=params.seed is None)
         return seed
 
     def _check_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int],
@@ -154,16 +159,57 @@ class Sampler:
         self.agreement.check("params", check, key=slot)
         self.state.write_params(slot, params, self.eos_token_ids)
 
-    def set_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
-                  streams: Sequence[int]) -> None:
-        """Set the seed, position and stream of occupied slots (one entry per slot), all at once."""
-        slots, seeds, positions, streams = self.agreement.check(
-            "seeds/positions/streams", lambda: self._check_noise(slots, seeds, positions, streams))
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64, device=self.device)  # noqa: E731
-        self.state.set_noise(as_tensor(slots), as_tensor([rng.seed_to_int64(s) for s in seeds]),
-                             as_tensor(positions), as_tensor(streams))
-        for slot, seed in zip(slots, seeds):
-            self.state.seeds[slot] = seed
+    def set_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
+                  streams: Sequence[int], *, drawn: Sequence[bool] | None = None) -> None:
+        """Set the seed, position and stream of occupied slots (one entry per slot), all at once.
+
+        seeds[i] None leaves the slot without a seed (a placeholder row that is sampled greedily,
+        e.g. an engine's empty lane: `seed_of` is None); positions[i] None keeps the slot's
+        position. drawn: per slot, whether the seed was drawn for an unseeded request
+        (`seed_drawn`; default False)."""
+        slots, seeds, positions, streams, drawn = self.agreement.check(
+            "seeds/positions/streams", lambda: self._check_noise(slots, seeds, positions, streams, drawn))
+        self.state.set_noise(slots, seeds, positions, streams, drawn)
+
+    def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Advance the position of occupied `slots[i]` by `counts[i]` without sampling (tokens an
+        engine sampled itself, on the host, with `seed_of` / `position_of` / `stream_of`): as many
+        positions as `counts[i]` recorded steps. Checked first (one read of the positions)."""
+        def check() -> tuple[list[int], list[int]]:
+            slot_list, count_list = int_list("slots", slots), int_list("counts", counts)
+            if len(count_list) != len(slot_list):
+                raise InvalidSamplingParams("counts", f"{len(count_list)} counts", f"one per slot ({len(slot_list)})")
+            for slot in slot_list:
+                self._check_occupied(slot)
+            if len(set(slot_list)) != len(slot_list):
+                raise InvalidSamplingParams("slots", slot_list, "distinct slots")
+            for count in count_list:
+                check_int("counts", count, 0, allowed="an int >= 0")
+            for slot, position, count in zip(slot_list, self.state.positions(slot_list), count_list):
+                if position + count >= POSITION_LIMIT:
+                    raise InvalidSamplingParams("position", position + count, f"below {POSITION_LIMIT}")
+            return slot_list, count_list
+
+        slot_list, count_list = self.agreement.check("advance", check)
+        self.state.advance(slot_list, count_list)
+
+    def move_slots(self, dst_slots: Sequence[int], src_slots: Sequence[int]) -> None:
+        """The state of `src_slots[i]` (parameters, seed, stream, position, history) goes to
+        `dst_slots[i]`, for all i at once (a gather, then a scatter: continuous batching's remap).
+        A source that is not a destination keeps its state; distinct destinations."""
+        def check() -> tuple[list[int], list[int]]:
+            dst, src = int_list("dst_slots", dst_slots), int_list("src_slots", src_slots)
+            if len(dst) != len(src):
+                raise InvalidSamplingParams("src_slots", f"{len(src)} slots", f"one per destination ({len(dst)})")
+            for slot in dst + src:
+                self._check_slot(slot)
+            if len(set(dst)) != len(dst):
+                raise InvalidSamplingParams("dst_slots", dst, "distinct slots")
+            return dst, src
+
+        dst, src = self.agreement.check("move_slots", check)
+        if dst:
+            self.state.move(dst, src)
 
     def reset_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
                       output_token_ids: torch.Tensor | None) -> None:
@@ -177,22 +223,32 @@ class Sampler:
             "token histories", lambda: self._check_history(slots, prompt_token_ids, output_token_ids))
         self.state.rebuild_history(index, prompt, output)
 
-    def _check_noise(self, slots: Sequence[int], seeds: Sequence[int], positions: Sequence[int],
-                     streams: Sequence[int]) -> tuple[list[int], list[int], list[int], list[int]]:
-        """The checked (slots, seeds, positions, streams) of `set_noise`, as lists."""
-        slots, seeds, positions, streams = (int_list(name, v) for name, v in (
-            ("slots", slots), ("seeds", seeds), ("positions", positions), ("streams", streams)))
+    def _check_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
+                     streams: Sequence[int], drawn: Sequence[bool] | None
+                     ) -> tuple[list[int], list, list, list[int], list[bool]]:
+        """The checked (slots, seeds, positions, streams, drawn) of `set_noise`, as lists."""
+        slots, streams = int_list("slots", slots), int_list("streams", streams)
+        seeds = as_list("seeds", seeds, "a sequence of seeds (ints, or None)")
+        positions = as_list("positions", positions, "a sequence of positions (ints, or None)")
+        drawn = [False] * len(slots) if drawn is None else as_list("drawn", drawn, "a sequence of bools")
         for slot in slots:
             self._check_occupied(slot)
-        if not len(slots) == len(seeds) == len(positions) == len(streams):
+        if len(set(slots)) != len(slots):
+            raise InvalidSamplingParams("slots", slots, "distinct slots")
+        if not len(slots) == len(seeds) == len(positions) == len(streams) == len(drawn):
             raise InvalidSamplingParams("seeds/positions/streams", (len(seeds), len(positions), len(streams)),
                                         f"one entry per slot ({len(slots)})")
         for name, values, low, high in (("seed", seeds, INT64_MIN, UINT64_MAX),
                                         ("position", positions, 0, POSITION_LIMIT - 1),
                                         ("stream", streams, 0, POSITION_LIMIT - 1)):
             for value in values:
-                check_int(name, value, low, high)
-        return slots, seeds, positions, streams
+                if value is not None or name == "stream":
+                    check_int(name, value, low, high)
+        for value in drawn:
+            if not isinstance(value, bool):
+                raise InvalidSamplingParams("drawn", value, "True or False")
+        return slots, [None if s is None else int(s) for s in seeds], \
+            [None if p is None else int(p) for p in positions], streams, drawn
 
     def _check_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
                        output_token_ids: torch.Tensor | None
@@ -222,19 +278,46 @@ class Sampler:
         self._check_slot(slot)
         self.state.release(slot)
 
-    def seed_of(self, slot: int) -> int:
-        """The effective seed of the request in `slot` (the drawn one for an unseeded request)."""
+    def seed_of(self, slot: int) -> int | None:
+        """The effective seed of the request in `slot` (the drawn one for an unseeded request;
+        None after `set_noise` left it without one)."""
         self._check_occupied(slot)
         return self.state.seeds[slot]
 
+    def seed_drawn(self, slot: int) -> bool:
+        """Whether the slot's seed was drawn for an unseeded request (by `add_request`, or as
+        `set_noise(drawn=...)` said)."""
+        self._check_occupied(slot)
+        return self.state.drawn[slot]
+
+    def stream_of(self, slot: int) -> int:
+        """The noise stream of the request in `slot`."""
+        self._check_occupied(slot)
+        return self.state.streams[slot]
+
     def position_of(self, slot: int) -> int:
         """The position of the slot's next token (reads the device: a host sync)."""
-        self._check_occupied(slot)
-        return int(self.state.position[slot])
+        return self.positions_of([slot])[0]
+
+    def positions_of(self, slots: Sequence[int]) -> list[int]:
+        """The positions of the next tokens of occupied `slots` (one read of the device)."""
+        return self.state.positions(self._occupied_list(slots))
+
+    def records_of(self, slots: Sequence[int]) -> list[SlotRecord]:
+        """The host record (params, seed, drawn, stream) of each occupied slot of `slots`: no device read."""
+        slot_list = self._occupied_list(slots)
+        return [self.state.record(slot) for slot in slot_list]
 
     def params_of(self, slot: int) -> SamplingParams:
+        """The parameters of the request in `slot`."""
         self._check_occupied(slot)
         return self.state.params[slot]
+
+    def plan_rows(self, batch: int) -> StepPlan:
+        """The step plan of slots 0..batch-1 (`sample(logits[:batch])` with slots None plans the
+        same), from their parameters: no device read."""
+        check_int("batch", batch, 0, self.max_slots, allowed=f"an int in [0, {self.max_slots}]")
+        return plan_step(self.state.params[:batch], self.vocab_size)
 
     # ---------------------------------------------------------------- the step
     @torch.no_grad()  # never needs autograd: logits that require grad give the same tokens
@@ -316,8 +399,7 @@ class Sampler:
                                      torch.ones((0, positions), dtype=torch.bool, device=self.device), None)
         if mode == "match":
             return verify_match(self.backends, target_logits, drafts, plan, record, token_bitmask)
-        index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
-        stream = int(self.state.stream[index].max())
+        stream = max(self.state.streams[s] for s in plan.slots)
         if stream >= STREAM_LIMIT:
             raise InvalidSamplingParams("stream", stream, "streams below 2^30 in mode='rejection' (streams "
                                         "from 2^30 up are the reserved noise streams of the verification)")
@@ -457,7 +539,7 @@ class Sampler:
         return slot_list
 
     def _row_key(self, slot: int) -> int:
-        """Hash of the slot's params and seed, from the host mirror (follows `state.move`), memoised."""
+        """Hash of the slot's params and seed, from the host record (follows `move_slots`), memoised."""
         params = self.state.params[slot]
         cached = self._row_keys.get(id(params))
         if cached is None or cached[0] is not params:
@@ -492,6 +574,15 @@ class Sampler:
 
     def _check_slot(self, slot: int) -> None:
         check_int("slot", slot, 0, self.max_slots - 1, allowed=f"an int in [0, {self.max_slots})")
+
+    def _occupied_list(self, slots: Sequence[int]) -> list[int]:
+        """`slots` as a list of occupied slots (checked; fast when they are)."""
+        slot_list = list(slots) if isinstance(slots, range) else int_list("slots", slots)
+        params, limit = self.state.params, self.max_slots
+        for slot in slot_list:
+            if type(slot) is not int or not 0 <= slot < limit or params[slot] is None:
+                self._check_occupied(slot)
+        return slot_list
 
     def _check_occupied(self, slot: int) -> None:
         self._check_slot(slot)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.support.engine import EOS, Engine
+from tests.support.slot_state import check_slot_state
 from tokensampler import InvalidSamplingParams, InvalidSlotRemap, Sampler, SamplingParams, SeedManager
 from tokensampler.engine.batch_params import (
     PADDING_LANE,
@@ -47,7 +48,8 @@ def snapshot(gen: SamplingGenerator) -> tuple:
     st = gen.sampler.state
     sm = gen.seed_manager
     host = (list(sm.seeds), list(sm.drawn), list(sm.positions), list(sm.streams), list(gen._occupied),
-            list(gen._params), list(gen._stale), list(gen._prompt_stale), list(st.params), list(st.seeds))
+            list(gen._stale), list(gen._prompt_stale), list(st.params), list(st.seeds), list(st.drawn),
+            list(st.streams))
     return host, [t.clone() for t in st.slot_tensors()]
 
 
@@ -688,6 +690,6 @@ def test_cuda_traced_steps_equal_eager_steps():
         traced = gens[0].sample(buffer, enable_trace=True)[0].clone()
         eager = gens[1].sample(logits)[0]
         assert torch.equal(traced, eager)
-    gens[0].verify_device_state()
+    check_slot_state(gens[0].sampler)
     assert gens[0].trace_captures == 1
 

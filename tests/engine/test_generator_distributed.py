@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 import tests.support.engine_split_cases as gc
 import tests.support.split_cases as dc
+from tests.support.slot_state import check_slot_state
 from tokensampler import (
     InvalidSamplingParams,
     InvalidSlotRemap,
@@ -188,7 +189,7 @@ def _split_generator_errors(ex):
         want = whole.sample(logits)
         failures += dc.compare(f"rank {ex.rank} after errors step {step}", split.last_output, whole.last_output)
         assert torch.equal(got[0], want[0])
-    split.verify_device_state()
+    check_slot_state(split.sampler)
     return failures
 
 

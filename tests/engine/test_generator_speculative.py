@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from tests.support.slot_state import check_slot_state
 from tokensampler import InvalidSamplingParams, SamplingParams, SeedManager, StaleSamplingState
 from tokensampler.engine.batch_params import BatchSamplingParams
 from tokensampler.engine.generator import SamplingGenerator
@@ -91,7 +92,7 @@ def test_speculative_equals_sample_stepped_and_advances_once_per_token(seed):
         assert spec.position_of(s) == before[s]  # verified, not counted
         assert int(out.num_emitted[s]) >= 1 and bool((out.token_ids[s, :int(out.num_emitted[s])] >= 0).all())
     assert same(snapshot(spec), snapshot(plain))
-    spec.verify_device_state()
+    check_slot_state(spec.sampler)
     assert spec.last_speculative is out
 
 
@@ -103,7 +104,7 @@ def test_rejection_mode_through_the_generator_advances_host_and_device_together(
     before = [gen.position_of(s) for s in range(4)]
     out = gen.sample_speculative(logits, drafts, draft_probs=probs)
     assert [gen.position_of(s) for s in range(4)] == [before[s] + int(out.num_emitted[s]) for s in range(4)]
-    gen.verify_device_state()
+    check_slot_state(gen.sampler)
     assert bool((gen.sampler.state.position[4] == 0).all())  # the empty lane is never counted
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tests.support.slot_state import check_slot_state
 from tokensampler import Sampler, SamplingParams
 from tokensampler.engine.batch_params import BatchSamplingParams
 from tokensampler.engine.generator import NEUTRAL_PARAMS, SamplingGenerator
@@ -226,4 +227,4 @@ class Engine:
             r = self.slots[slot]
             held = slot if self.pending_remap is None else self.pending_remap[slot]
             assert self.gen.seed_manager.snapshot(held) == (r.seed, r.position, r.stream), (slot, r)
-        self.gen.verify_device_state()
+        check_slot_state(self.gen.sampler)

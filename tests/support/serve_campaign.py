@@ -37,7 +37,7 @@ MODELS = {"tiny": 256, "smollm2": 1024}  # served name -> max_model_len
 PROBE_DIR = Path(__file__).resolve().parent / "vllm_probe"
 PROBE_PLUGIN = "ts_state_probe"
 # the per-request structures of the plugin the probe reports (`held_ids` aside)
-STRUCTURES = ("seeds", "held", "occupied", "params", "seed_slots")
+STRUCTURES = ("seeds", "held", "occupied", "seed_slots")
 
 
 @dataclass

@@ -4,12 +4,18 @@
 2. `apply_decode_state` consumes `slot_remap` first, exactly once (new slot i <- old slot remap[i]);
    then `reload_sampling_params` uploads parameters and `reset_sampling_state` rebuilds the penalty
    history (and positions, when given). Neither advances a seed or a position.
-3. Host sampling: seeds and positions follow a remap at once, and the device parameter and penalty
+3. Host sampling: the slots' state follows a remap at once, and the device parameter and penalty
    buffers are marked stale; the next device decode must carry both flags or `StaleSamplingState`.
 4. `sample` samples every lane; only the active slots count their token and advance, once each.
    `sample_speculative` verifies drafts on every lane; only the active slots count their emitted
    tokens and advance, once per emitted token.
 5. Bad input raises a `ValueError` (`InvalidSamplingParams`) before any state changes.
+
+Every slot's parameters, seed, stream, position and history live in the `Sampler`'s slot state
+(their one owner); the generator reads and writes them through the `Sampler`'s methods, and its
+`seed_manager` (the seeding policy: drawn seeds, continuing requests) is a view of those slots. The
+generator itself keeps only the contract's own flags: which slots are occupied, and which device
+rows are stale (after host sampling or a host-mode remap).
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from typing import Any, Sequence
 
 import torch
 
-from ..core import rng
 from ..core.checks import as_list, check_bool, check_int, check_logits, check_slots, int_list
 from ..core.constants import POSITION_LIMIT
 from ..core.errors import InvalidSamplingParams, StaleSamplingState, TraceMismatch
@@ -41,8 +46,8 @@ NEUTRAL_PARAMS = SamplingParams(temperature=0.0)
 
 
 class SamplingGenerator:
-    """A `Sampler` over `max_batch_size * sampling_dp` lanes plus the `SeedManager` that owns their
-    seeds, streams and positions; see the module docstring for the contract.
+    """A `Sampler` over `max_batch_size * sampling_dp` lanes, which owns their state, and the
+    contract's flags (occupied, stale); see the module docstring for the contract.
 
     logprobs_mode, max_logprobs, eos_token_ids: passed to the `Sampler`.
     group: a torch.distributed group (or `parallel.Exchange`) splitting the vocabulary: every
@@ -83,13 +88,14 @@ class SamplingGenerator:
             list(eos_token_ids), seed_source is None))
         if self.agreement.shared and seed_source is None:  # every rank draws the same seeds
             seed_source = functools.partial(random.Random(self.agreement.shared_random_bits()).getrandbits, 63)
-        self.seed_manager = SeedManager(self.num_lanes, seed_source=seed_source)
         n = self.num_lanes
-        for slot in range(n):  # every lane always holds a row: empty ones the neutral greedy row
+        for slot in range(n):  # every lane always holds a row: empty ones the neutral greedy row, no seed
             self.sampler.add_request(slot, NEUTRAL_PARAMS, ())
+        self.sampler.set_noise(range(n), [None] * n, [0] * n, [0] * n)
+        # the seeding policy, over the sampler's slots (a view: it keeps nothing itself)
+        self.seed_manager = SeedManager(n, seed_source=seed_source, sampler=self.sampler)
         self._occupied = [False] * n
-        self._params: list[SamplingParams | None] = [None] * n  # authoritative host copy, by slot
-        self._stale = [False] * n          # device params / counts / noise of the slot out of date
+        self._stale = [False] * n          # device params / counts of the slot out of date (host sampling)
         self._prompt_stale = [False] * n   # device prompt row belongs to another request (host remap)
         self.tracer = StepTracer(self.sampler)
         self._force_argmax: bool | None = None
@@ -108,32 +114,20 @@ class SamplingGenerator:
 
     def seed_of(self, slot: int) -> int:
         self._check_occupied("slot", [slot])
-        return self.seed_manager.seeds[slot]
+        return self.sampler.seed_of(slot)
 
     def position_of(self, slot: int) -> int:
+        """The position of the slot's next token (the sampler's: a device read)."""
         self._check_occupied("slot", [slot])
-        return self.seed_manager.positions[slot]
+        return self.sampler.position_of(slot)
 
     def stream_of(self, slot: int) -> int:
         self._check_occupied("slot", [slot])
-        return self.seed_manager.streams[slot]
+        return self.sampler.stream_of(slot)
 
     def params_of(self, slot: int) -> SamplingParams:
         self._check_occupied("slot", [slot])
-        return self._params[slot]
-
-    def verify_device_state(self) -> None:
-        """Check (a host sync: for tests and debugging) that every fresh occupied slot's device
-        seed, position, stream and parameters equal the host's. Raises AssertionError otherwise."""
-        st = self.sampler.state
-        for slot in self.occupied_slots():
-            if self._stale[slot]:
-                continue
-            seed, position, stream = self.seed_manager.snapshot(slot)
-            device = (int(st.seed[slot]), int(st.position[slot]), int(st.stream[slot]))
-            if device != (rng.seed_to_int64(seed), position, stream) or st.params[slot] != self._params[slot]:
-                raise AssertionError(f"slot {slot}: device {device, st.params[slot]} != host "
-                                     f"{(seed, position, stream), self._params[slot]}")
+        return self.sampler.params_of(slot)
 
     # ------------------------------------------------------------ prefill
     def apply_prefill_state(self, *, sampling_params: Any, prompt_tokens: Any, empty_slots: Sequence[int],
@@ -173,25 +167,21 @@ class SamplingGenerator:
         if not slots:
             return []
         # every check is done (on every rank): change state
-        seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams)
-        self.seed_manager.align_seed_counters_to_positions(slots, lengths)
+        seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams, positions=lengths)
         for slot, request in zip(slots, requests):
-            self._params[slot] = request
             self._occupied[slot] = True
             self._stale[slot] = self._prompt_stale[slot] = False
-            self._write_device_params(slot)
+            self._write_device_params(slot, request)
         self.sampler.reset_history(slots, prompts.to(self.device), None if outputs is None else outputs.to(self.device))
-        self._upload_noise(slots)
         return seeds
 
     def release_slots(self, slots: Sequence[int]) -> None:
         """Empty `slots` (idempotent): they are sampled greedily and never counted until re-admitted."""
         slot_list = self.agreement.check("release_slots", lambda: self._check_slots("slots", slots))
+        self.seed_manager.release_slots(slot_list)
         for slot in slot_list:
             self._occupied[slot] = False
-            self._params[slot] = None
-            self.seed_manager.release_slot(slot)
-            self._write_device_params(slot)
+            self._write_device_params(slot, NEUTRAL_PARAMS)
 
     # ------------------------------------------------------------ decode
     def apply_decode_state(self, chunks: Sequence[Any] | BatchSamplingParams, *, reload_sampling_params: bool,
@@ -257,10 +247,8 @@ class SamplingGenerator:
         if remap is not None:
             self._apply_remap(remap, sampling_mode)
         if reload_sampling_params:
-            for slot, request in given.items():
-                self._params[slot] = request
             for slot in range(n):
-                self._write_device_params(slot)
+                self._write_device_params(slot, given.get(slot))
         if reset_sampling_state:
             by_slot: list[int | None] = [None] * n
             for slot, request in given.items():
@@ -271,7 +259,6 @@ class SamplingGenerator:
                 index = torch.tensor(live, dtype=torch.int64)
                 self.sampler.reset_history(live, None if prompts is None else prompts[index].to(self.device),
                                            None if outputs is None else outputs[index].to(self.device))
-                self._upload_noise(live)
             if prompts is not None:
                 for slot in live:
                     self._prompt_stale[slot] = False
@@ -281,26 +268,19 @@ class SamplingGenerator:
             self._stale = [False] * n
 
     def _apply_remap(self, remap: list[int], sampling_mode: str) -> None:
-        self.seed_manager.apply_slot_remap(remap)
+        """The slots' whole state moves with their requests (`Sampler.move_slots`: only the slots that
+        change hands), in both modes; a host-mode remap also marks every slot stale."""
+        moved = [i for i, j in enumerate(remap) if i != j]
+        self.sampler.move_slots(moved, [remap[i] for i in moved])
         self._occupied = [self._occupied[j] for j in remap]
-        self._params = [self._params[j] for j in remap]
         self._prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
-        if sampling_mode == "device":
-            self._stale = [self._stale[j] for j in remap]
-            moved = [i for i, j in enumerate(remap) if i != j]  # only the slots that change hands
-            if moved:
-                self.sampler.state.move(torch.tensor(moved, dtype=torch.int64, device=self.device),
-                                        torch.tensor([remap[i] for i in moved], dtype=torch.int64, device=self.device))
-        else:  # the device rows stay where they are, now under other requests: rebuilt before use
-            self._stale = [True] * self.num_lanes
-            for slot in range(self.num_lanes):
-                if not self._occupied[slot]:  # an empty lane stays the neutral greedy row
-                    self._write_device_params(slot)
+        self._stale = [self._stale[j] for j in remap] if sampling_mode == "device" else [True] * self.num_lanes
 
     @staticmethod
     def _remapped(prompt_stale: list[bool], remap: list[int] | None, sampling_mode: str) -> list[bool]:
-        """Prompt-row staleness after `remap`: device mode moves the rows with their requests;
-        host mode leaves them, so every slot that changed request gets a stale row."""
+        """Prompt-row staleness after `remap`: a device-mode remap keeps each row's flag with its
+        request; after a host-mode remap the contract asks for the prompts of every slot that
+        changed request (an engine sampling on the host owes the device no prompt rows)."""
         if remap is None:
             return list(prompt_stale)
         if sampling_mode == "device":
@@ -339,7 +319,7 @@ class SamplingGenerator:
             check_bool("enable_trace", enable_trace)
             batch = self._check_logits(logits)
             active = self._active_lanes(active_slots, batch, "logits")
-            force_argmax = all(self._params[s].greedy for s in self.occupied_slots())
+            force_argmax = all(r.params.greedy for r in self.sampler.records_of(self.occupied_slots()))
             if enable_trace and self.agreement.shared and force_argmax == self._force_argmax:  # a flip drops all
                 self.tracer.check(logits, force_argmax)
             return batch, active, force_argmax
@@ -355,7 +335,6 @@ class SamplingGenerator:
             record[active] = True
             out = (self.tracer.step(logits, record, force_argmax) if enable_trace
                    else self.sampler.sample(logits, record=record.to(self.device)))
-        self.seed_manager.get_new_values(active)  # mirrors the device advance, once per token
         self.last_output = out
         return out.token_ids, out.logprobs
 
@@ -377,8 +356,9 @@ class SamplingGenerator:
         Returns
         -------
         SpeculativeOutput (token_ids int64 [B, K+1], num_emitted int64 [B], valid, logprobs). Each
-        active slot's host position advances by its num_emitted (one read of num_emitted), as its
-        device position does: the same as `sample` once per emitted token.
+        active slot's position advances by its num_emitted (in the sampler's slot state): the same
+        as `sample` once per emitted token. The position limit is checked first (one read of the
+        active slots' positions).
         """
         def check() -> tuple[int, list[int]]:
             shape = getattr(target_logits, "shape", None)
@@ -389,9 +369,9 @@ class SamplingGenerator:
                                             f"a tensor [B, K+1, {width}] with 1 <= B <= {self.num_lanes}")
             batch, positions = target_logits.shape[:2]
             active = self._active_lanes(active_slots, batch, "target_logits")
-            for slot in active:
-                if self.seed_manager.positions[slot] + positions >= POSITION_LIMIT:
-                    raise InvalidSamplingParams("position", self.seed_manager.positions[slot] + positions,
+            for position in self.sampler.positions_of(active):
+                if position + positions >= POSITION_LIMIT:
+                    raise InvalidSamplingParams("position", position + positions,
                                                 f"below {POSITION_LIMIT} after the K+1 positions")
             return batch, active
 
@@ -400,9 +380,6 @@ class SamplingGenerator:
         record[active] = True
         out = self.sampler.sample_speculative(target_logits, draft_token_ids, draft_probs=draft_probs, mode=mode,
                                               record=record.to(self.device))
-        if active:  # mirrors the device advance: one position per emitted token
-            index = torch.tensor(active, dtype=torch.int64, device=out.num_emitted.device)
-            self.seed_manager.advance(active, out.num_emitted[index].tolist())
         self.last_speculative = out
         return out
 
@@ -420,16 +397,12 @@ class SamplingGenerator:
         return self.tracer.captures
 
     # ------------------------------------------------------------ helpers
-    def _write_device_params(self, slot: int) -> None:
-        """Make the device row of `slot` hold the host parameters (neutral when empty)."""
-        target = self._params[slot] if self._occupied[slot] else NEUTRAL_PARAMS
-        if self.sampler.state.params[slot] != target:
+    def _write_device_params(self, slot: int, params: SamplingParams | None) -> None:
+        """Make the sampler's row of `slot` hold `params` (None: keep the occupied slot's; an empty
+        slot always holds the neutral row), rewriting the device columns only if they change."""
+        target = NEUTRAL_PARAMS if not self._occupied[slot] else params or self.sampler.params_of(slot)
+        if self.sampler.params_of(slot) != target:
             self.sampler.set_params(slot, target)
-
-    def _upload_noise(self, slots: list[int]) -> None:
-        sm = self.seed_manager
-        self.sampler.set_noise(slots, [sm.seeds[s] for s in slots], [sm.positions[s] for s in slots],
-                               [sm.streams[s] for s in slots])
 
     def _requests(self, formatted: BatchSamplingParams) -> list[SamplingParams]:
         requests = formatted.to_requests()

@@ -17,7 +17,7 @@ import torch
 
 from ..core.errors import TraceMismatch
 from ..core.output import SamplerOutput
-from ..core.plan import StepPlan, plan_step
+from ..core.plan import StepPlan
 from ..sampler import Sampler
 
 
@@ -69,7 +69,7 @@ class StepTracer:
 
     def _lookup(self, logits: torch.Tensor, force_argmax: bool) -> tuple[TraceKey, _Trace | None, StepPlan]:
         batch = logits.shape[0]
-        plan = plan_step(self.sampler.state.params[:batch], self.sampler.vocab_size)
+        plan = self.sampler.plan_rows(batch)
         key = TraceKey(plan.penalties, plan.wants_logprobs, force_argmax, batch)
         trace = self._traces.get(key)
         if trace is not None and trace.logits_id != _tensor_id(logits):

@@ -5,14 +5,20 @@ every step; the penalty history is a prompt mask and output counts per slot over
 layout holds, updated in O(B) per step by the sampled tokens. Optional dense columns (logit bias,
 allowed ids, stop ids) are allocated on first use, and so are the bad words: a table of each slot's
 bad words and the slot's latest output tokens (as many as the longest bad word admitted, less one),
-kept on the device and shifted by every recorded token. A host mirror (`params`, `seeds`) lets the
-sampler plan a step without reading the device. Every token id given here is global; the layout
-translates it to this rank's columns (a vocabulary split keeps only its slice).
+kept on the device and shifted by every recorded token. Every token id given here is global; the
+layout translates it to this rank's columns (a vocabulary split keeps only its slice).
+
+This object is the one owner of a slot's state. Beside the device columns it keeps the slot's host
+record: `params`, `seeds`, `drawn` (the seed was drawn for an unseeded request) and `streams`, so
+that a step is planned and a slot is described without reading the device. Those change only
+through the methods here (admission, `set_noise`, `move`, `release`), which write the host record
+and the device columns together. The position has one copy, the device column: the steps advance
+it there (`record_tokens`), and `positions` reads it.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -21,6 +27,15 @@ from ..core.params import SamplingParams
 from .layout import VocabLayout
 
 _INT64_MAX = 2**63 - 1
+
+
+class SlotRecord(NamedTuple):
+    """The host record of one slot (its position is on the device: `SamplerState.positions`)."""
+
+    params: SamplingParams | None
+    seed: int | None
+    drawn: bool
+    stream: int
 
 
 class SamplerState:
@@ -57,9 +72,12 @@ class SamplerState:
         # tokens right-aligned (the newest last), -2 = none (a shorter output, or not kept)
         self.bad_words: torch.Tensor | None = None
         self.recent_tokens: torch.Tensor | None = None
-        # host mirror: what the sampler needs to plan a step without a device read
+        # the host record, written with the device columns (never after them): what the sampler
+        # plans a step from and answers slot queries from without a device read
         self.params: list[SamplingParams | None] = [None] * max_slots
-        self.seeds: list[int | None] = [None] * max_slots
+        self.seeds: list[int | None] = [None] * max_slots  # None: no seed (a placeholder row)
+        self.drawn: list[bool] = [False] * max_slots      # the seed was drawn for an unseeded request
+        self.streams: list[int] = [0] * max_slots
 
     def slot_tensors(self) -> list[torch.Tensor]:
         tensors = [self.temperature, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
@@ -101,20 +119,20 @@ class SamplerState:
 
     def admit(self, slot: int, params: SamplingParams, seed: int, position: int, stream: int,
               prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
-              eos_token_ids: Sequence[int]) -> None:
+              eos_token_ids: Sequence[int], drawn: bool = False) -> None:
         """Write every column of `slot` (ids already checked against the vocabulary)."""
         self.write_params(slot, params, eos_token_ids)
-        self.write_request(slot, seed, position, stream, prompt_token_ids, output_token_ids)
+        self.write_request(slot, seed, position, stream, prompt_token_ids, output_token_ids, drawn)
 
     def write_request(self, slot: int, seed: int, position: int, stream: int, prompt_token_ids: Sequence[int],
-                      output_token_ids: Sequence[int]) -> None:
+                      output_token_ids: Sequence[int], drawn: bool = False) -> None:
         """Write the slot's noise coordinates and history (not its parameters)."""
         values = {"seed": rng.seed_to_int64(seed), "position": position, "stream": stream,
                   "output_len": len(output_token_ids)}
         for name, value in values.items():
             getattr(self, name)[slot] = value
         self.set_history(slot, prompt_token_ids, output_token_ids)
-        self.seeds[slot] = seed
+        self.seeds[slot], self.drawn[slot], self.streams[slot] = seed, drawn, stream
 
     def write_params(self, slot: int, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
         """Write the parameter columns of `slot` (not its seed, position or history)."""
@@ -171,18 +189,39 @@ class SamplerState:
     def release(self, slot: int) -> None:
         self.params[slot] = None
         self.seeds[slot] = None
+        self.drawn[slot] = False
+        self.streams[slot] = 0
 
-    def move(self, dst_slots: torch.Tensor, src_slots: torch.Tensor) -> None:
-        """State of `src_slots[i]` goes to `dst_slots[i]` for all i at once (a gather, then a scatter)."""
+    def record(self, slot: int) -> SlotRecord:
+        return SlotRecord(self.params[slot], self.seeds[slot], self.drawn[slot], self.streams[slot])
+
+    def _host_record(self) -> tuple[list, ...]:
+        return self.params, self.seeds, self.drawn, self.streams
+
+    def move(self, dst_slots: Sequence[int], src_slots: Sequence[int]) -> None:
+        """State of `src_slots[i]` goes to `dst_slots[i]` for all i at once (a gather, then a scatter),
+        device columns and host record alike."""
+        dst, src = [int(s) for s in dst_slots], [int(s) for s in src_slots]
+        index = lambda slots: torch.tensor(slots, dtype=torch.int64, device=self.device)  # noqa: E731
+        dst_index, src_index = index(dst), index(src)
         for tensor in self.slot_tensors():
-            tensor[dst_slots] = tensor[src_slots]
-        src = src_slots.tolist()
-        dst = dst_slots.tolist()
-        params = [self.params[s] for s in src]
-        seeds = [self.seeds[s] for s in src]
-        for d, p, s in zip(dst, params, seeds):
-            self.params[d] = p
-            self.seeds[d] = s
+            tensor[dst_index] = tensor[src_index]
+        for column in self._host_record():
+            values = [column[s] for s in src]
+            for d, value in zip(dst, values):
+                column[d] = value
+
+    def positions(self, slots: Sequence[int]) -> list[int]:
+        """The device positions of `slots` (one read: a host sync)."""
+        if not len(slots):
+            return []
+        return self.position[torch.tensor(list(slots), dtype=torch.int64, device=self.device)].tolist()
+
+    def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """Add `counts[i]` to the position of `slots[i]` (tokens sampled elsewhere), on the device."""
+        if len(slots):
+            as_tensor = lambda values: torch.tensor(list(values), dtype=torch.int64, device=self.device)  # noqa: E731
+            self.position.index_add_(0, as_tensor(slots), as_tensor(counts))
 
     def record_tokens(self, slots: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Step 13: count each sampled token (global id) into its slot's history, on the rank that
@@ -210,12 +249,25 @@ class SamplerState:
                 shifted = torch.where(mask.to(device=slots.device)[:, None], shifted, old)
             self.recent_tokens[slots] = shifted
 
-    def set_noise(self, slots: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,
-                  streams: torch.Tensor) -> None:
-        """Overwrite the noise coordinates of `slots` (int64 tensors, seeds as int64 bit patterns)."""
-        self.seed[slots] = seeds
-        self.position[slots] = positions
-        self.stream[slots] = streams
+    def set_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
+                  streams: Sequence[int], drawn: Sequence[bool]) -> None:
+        """Overwrite the noise coordinates of `slots` (checked values), host record and device columns.
+
+        seeds[i] None: no seed (a placeholder row; the device column holds 0); positions[i] None:
+        the slot keeps its position."""
+        if not len(slots):
+            return
+        as_tensor = lambda values: torch.tensor(list(values), dtype=torch.int64, device=self.device)  # noqa: E731
+        index = as_tensor(slots)
+        self.seed[index] = as_tensor([0 if s is None else rng.seed_to_int64(s) for s in seeds])
+        self.stream[index] = as_tensor(streams)
+        given = [i for i, p in enumerate(positions) if p is not None]
+        if len(given) == len(slots):
+            self.position[index] = as_tensor(positions)
+        elif given:
+            self.position[as_tensor([slots[i] for i in given])] = as_tensor([positions[i] for i in given])
+        for slot, seed, stream, was_drawn in zip(slots, seeds, streams, drawn):
+            self.seeds[slot], self.streams[slot], self.drawn[slot] = seed, stream, bool(was_drawn)
 
     @staticmethod
     def _real_pairs(slots: torch.Tensor, local: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,7 @@ Found by vLLM through the entry point beside this file (the directory goes on PY
 `_sample` that tokensampler's sampler served, `$TS_STATE_PROBE_FILE` is replaced (atomically) by
 one JSON object: the step count, the request ids the slots hold, and the size of every container
 that grows with the requests admitted: the `BatchState`'s seeds and held slots, the
-`SamplingGenerator`'s occupied slots and host parameters, the `SeedManager`'s seeded slots, the
+`SamplingGenerator`'s occupied slots, the seeded slots of its sampler (`seed_manager`, a view), the
 `Sampler`'s row-key cache, the captured steps, and the batch states the sampler keeps.
 """
 
@@ -26,7 +26,6 @@ def sizes(sampler) -> dict:
             "seeds": len(state.seeds),
             "held": sum(rid is not None for rid in state.held),
             "occupied": sum(generator._occupied),
-            "params": sum(p is not None for p in generator._params),
             "seed_slots": sum(s is not None for s in generator.seed_manager.seeds),
             "row_keys": len(generator.sampler._row_keys),
             "traces": len(generator.tracer.keys()),

@@ -58,8 +58,13 @@ class BatchState:
                                            seed_source=seed_source, group=group,
                                            padded_vocab_size=None if shards is None else shards.padded_vocab_size,
                                            backend=backend, compile=compile)
-        self.held: list[str | None] = [None] * lanes  # the request id each slot holds
-        self.seeds: dict[str, int] = {}  # request id -> effective seed (drawn for unseeded requests)
+        self.held: list[str | None] = [None] * lanes  # the request id each slot holds (its identity only:
+        # the slot's state, seed included, is the generator's sampler's)
+
+    @property
+    def seeds(self) -> dict[str, int]:
+        """request id -> effective seed (drawn for unseeded requests), of every request held now."""
+        return {rid: self.generator.seed_of(slot) for slot, rid in enumerate(self.held) if rid is not None}
 
     def follow(self, req_ids: Sequence[str | None], lookup: RequestLookup) -> None:
         """Make slot i hold the request of row i, for every row of the persistent batch."""
@@ -72,7 +77,6 @@ class BatchState:
         if gone:
             self.generator.release_slots(gone)
             for s in gone:
-                self.seeds.pop(self.held[s], None)
                 self.held[s] = None
         remap = self._remap(rows, where)
         if remap is not None:
@@ -101,7 +105,6 @@ class BatchState:
             empty_slots=slots, output_tokens=_rows(outputs) if any(outputs) else None)
         for slot, rid, seed, p in zip(slots, req_ids, seeds, params):
             self.held[slot] = rid
-            self.seeds[rid] = seed
             LOG.debug("admitted request %s to slot %d, seed %d (%s)", rid, slot, seed,
                       "given" if p.seed is not None else "drawn")
 
