@@ -15,6 +15,7 @@ import pytest
 import torch
 from scipy import stats
 
+from tests.support.bitmask import pack_bits
 from tests.support.speculative_cases import (
     assert_logprobs_equal,
     assert_same_state,
@@ -566,15 +567,6 @@ def test_rejection_mode_honours_a_one_token_bad_word():
 
 
 # ------------------------------------------------------------------ bad words and the token bitmask
-def pack_bits(allowed: list[set[int]], words: int) -> torch.Tensor:
-    """int32 [B, words], bit (i % 32) of word (i // 32) set for each allowed i (an independent packer)."""
-    rows = []
-    for ids in allowed:
-        values = [0] * words
-        for i in ids:
-            values[i // 32] |= 1 << (i % 32)
-        rows.append([v - (1 << 32) if v >= 1 << 31 else v for v in values])
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(allowed), words)
 
 
 def target_probs_of(params: SamplingParams, logits: torch.Tensor, position: int, outputs=(),

@@ -20,6 +20,7 @@ import torch
 
 import tests.support.split_cases as dc
 from tests.support.backends import BACKENDS, make_sampler
+from tests.support.bitmask import pack_bits as pack
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
 from tokensampler.backends.native import masking
 from tokensampler.reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
@@ -28,18 +29,6 @@ NEG_INF = float("-inf")
 MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 # the Triton interpreter evaluates both sides of every tl.where (log(0), inf - inf in discarded lanes)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
-
-
-def pack(allowed: list[set[int]], words: int, extra_bits: list[set[int]] | None = None) -> torch.Tensor:
-    """int32 [B, words] with bit (i % 32) of word (i // 32) set for every i in the row's set (an
-    independent packer: plain Python ints, the int32 as the bit pattern)."""
-    rows = []
-    for b, ids in enumerate(allowed):
-        values = [0] * words
-        for i in set(ids) | (extra_bits[b] if extra_bits else set()):
-            values[i // 32] |= 1 << (i % 32)
-        rows.append([v - (1 << 32) if v >= 1 << 31 else v for v in values])
-    return torch.tensor(rows, dtype=torch.int32)
 
 
 def random_mask_sets(rnd: random.Random, vocab: int, batch: int) -> list[set[int]]:

@@ -15,6 +15,7 @@ import random
 import pytest
 import torch
 
+from tests.support.bitmask import pack_bits
 from tests.support.speculative_cases import random_logits
 from tokensampler import Sampler, SamplingParams
 from tokensampler.backends.native import masking, stages
@@ -25,16 +26,6 @@ from tokensampler.reference import ReferenceRequest, reference_sample_row
 
 def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32)
-
-
-def pack_bits(allowed: list[set[int]], words: int) -> torch.Tensor:
-    rows = []
-    for ids in allowed:
-        values = [0] * words
-        for i in ids:
-            values[i // 32] |= 1 << (i % 32)
-        rows.append([v - (1 << 32) if v >= 1 << 31 else v for v in values])
-    return torch.tensor(rows, dtype=torch.int32).reshape(len(allowed), words)
 
 
 # ------------------------------------------------------------------ the registry and the plan
