@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tokensampler import Sampler, SamplerOutput, SamplingParams, TokenSamplerError, sample
-from tokensampler.backends.native.config import NativeConfig
+from tokensampler.backends.torch_step.config import NativeConfig
 from tokensampler.backends.triton.config import KernelConfig
 from tokensampler.core import rng
 from tokensampler.core.order import saturate_posinf

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
-from tokensampler.backends.native.config import NativeConfig
+from tokensampler.backends.torch_step.config import NativeConfig
 from tokensampler.parallel import ThreadExchange, ThreadHub
 from tokensampler.reference import ReferenceRequest, reference_sample
 

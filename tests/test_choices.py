@@ -21,7 +21,7 @@ from tokensampler import (
     sample,
 )
 from tokensampler.backends.choice import BACKEND_ENV, COMPILE_ENV, BackendChoice, resolve_names
-from tokensampler.backends.native import compile_cache, torch_private
+from tokensampler.backends.torch_step import compile_cache, torch_private
 from tokensampler.engine.batch_params import BatchSamplingParams
 from tokensampler.sampler import Sampler
 
@@ -114,7 +114,7 @@ def test_the_environment_is_the_default_read_once_and_an_argument_wins(monkeypat
     monkeypatch.setenv(COMPILE_ENV, "yes")
     by_default = Sampler(50, max_slots=1)
     assert by_default.backends.choice == BackendChoice("torch", True, False)
-    assert by_default.backends.native.compiled
+    assert by_default.backends.torch_step.compiled
     monkeypatch.setenv(COMPILE_ENV, "0")
     monkeypatch.setenv(BACKEND_ENV, "bogus")  # read by nothing from now on
     by_default.add_request(0, SamplingParams(seed=1), [])
@@ -216,7 +216,7 @@ def test_unknown_vector_lanes_keep_the_exact_normaliser(monkeypatch):
     monkeypatch.setattr(torch_private, "_pick_vec_isa", broken)
     monkeypatch.setattr(torch_private, "_LANES", [])
     monkeypatch.setattr(torch_private, "_WARNED", [])
-    from tokensampler.backends.native import logprobs
+    from tokensampler.backends.torch_step import logprobs
     with pytest.warns(CompileFallbackWarning, match="normaliser"):
         assert logprobs.fast_normaliser(1000, True) == 0
     assert logprobs.aten_lanes() == 0

@@ -17,7 +17,7 @@ PROGRAM = r"""
 import json, sys, threading
 import torch
 from tokensampler import Sampler, SamplingParams
-from tokensampler.backends.native.host import numpy_module
+from tokensampler.backends.torch_step.host import numpy_module
 from tokensampler.parallel import ThreadExchange, ThreadHub
 from tokensampler.tools.workloads import make_logits
 

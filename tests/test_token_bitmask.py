@@ -22,7 +22,7 @@ import tests.support.split_cases as dc
 from tests.support.backends import BACKENDS, make_sampler
 from tests.support.bitmask import pack_bits as pack
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
-from tokensampler.backends.native import masking
+from tokensampler.backends.torch_step import masking
 from tokensampler.reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 
 NEG_INF = float("-inf")
@@ -241,7 +241,7 @@ def test_empty_row_is_invalid_and_never_a_padded_id(backend):
 def test_llm_sized_rows_sparse_mask_both_routes():
     """LLM-shaped rows at a large vocabulary, a grammar-like sparse mask (the block's sparse copy)
     and a dense one, on the direct-route and block-route samplers: the reference's tokens."""
-    from tokensampler.backends.native.config import NativeConfig
+    from tokensampler.backends.torch_step.config import NativeConfig
     from tokensampler.tools.workloads import make_bitmask, make_logits
     vocab = 40000
     logits = make_logits(4, vocab, seed=9)

@@ -1,7 +1,7 @@
 """The obviously-correct, slow implementation of docs/semantics.md: the oracle of the tests.
 
 One row at a time, one step of the definition per block, sorting allowed. Every fast path
-(`backends/native`, `backends/triton`, `backends/split`) is tested token for token against
+(`backends/torch_step`, `backends/triton`, `backends/split`) is tested token for token against
 `reference_sample`. Imports only `core`; imported only by the tests and the tools (the bench).
 Floating-point conventions that make "the same token" well defined are in docs/semantics.md:
 z is float32 throughout, top-p masses are float64 sums of float32 `exp(z - z_max)`, the Gumbel

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .backends import BackendChoice, Backends
-from .backends.native.config import NativeConfig
+from .backends.torch_step.config import NativeConfig
 from .backends.triton.config import KernelConfig
 from .core import rng
 from .core.checks import as_list, check_choice, check_device, check_int, check_logits, check_token_ids, int_list, is_int
@@ -463,12 +463,12 @@ class Sampler:
     @property
     def workspace_bytes(self) -> int:
         """Host bytes the CPU step keeps between calls (its block workspace; 0 if it never ran)."""
-        return self.backends.native.workspace_bytes
+        return self.backends.torch_step.workspace_bytes
 
     def warmup(self) -> dict:
         """Compile (or load from inductor's on-disk cache) every graph the torch step can need, for
         every batch size and parameter mix, so that no later `sample` call compiles anything or
-        stalls (`backends.native.warmup`). Changes no state of this sampler. Returns {"seconds",
+        stalls (`backends.torch_step.warmup`). Changes no state of this sampler. Returns {"seconds",
         "steps"}; nothing to do without torch.compile (`compile=False`) or on a split."""
         return self.backends.warmup()
 

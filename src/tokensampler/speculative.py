@@ -12,7 +12,7 @@
   of steps 1-10 and the softmax of z / T over it), q the draft's (one-hot on x without draft
   probabilities); at the first rejection a token is drawn from the normalised residual
   max(p - q, 0); after K acceptances the bonus token is the canonical one. p is built by
-  `target_rows` from the torch step's own stages (`backends/native/stages.py`: every edit the plan
+  `target_rows` from the torch step's own stages (`backends/torch_step/stages.py`: every edit the plan
   needs, bad words and a token bitmask included, then the filters), on the logits' device, one
   position at a time; the bonus position runs the ordinary backend step.
 
@@ -33,11 +33,11 @@ from dataclasses import dataclass
 import torch
 
 from .backends import Backends
-from .backends.native import masking, stages
-from .backends.native.argmax import first_argmax
-from .backends.native.config import DEFAULT, NativeConfig
-from .backends.native.indexing import nonzero_ids
-from .backends.native.logprobs import gather_logprobs
+from .backends.torch_step import masking, stages
+from .backends.torch_step.argmax import first_argmax
+from .backends.torch_step.config import DEFAULT, NativeConfig
+from .backends.torch_step.indexing import nonzero_ids
+from .backends.torch_step.logprobs import gather_logprobs
 from .core import rng
 from .core.constants import NEG_INF
 from .core.order import saturate_posinf
@@ -104,7 +104,7 @@ def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, 
     -------
     TargetRows: the canonical tokens, the kept sets as the final z (the exact thresholds of the
     definition, `exact_threshold=True`), and the raw scores. Nothing is recorded. Every edit of the
-    plan (and the bitmask) is the torch step's own stage (`backends/native/stages.py`).
+    plan (and the bitmask) is the torch step's own stage (`backends/torch_step/stages.py`).
     """
     st = state
     vocab = st.width
@@ -328,7 +328,7 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
     device = target_logits.device
     index = torch.tensor(plan.slots, dtype=torch.int64, device=device)
     st = backends.state
-    logprobs_mode, config, compiled = backends.logprobs_mode, backends.native.config, backends.native.compiled
+    logprobs_mode, config, compiled = backends.logprobs_mode, backends.torch_step.config, backends.torch_step.compiled
     vocab = st.width
     alive = torch.ones(batch, dtype=torch.bool, device=device)
     out = _Collected(batch, positions, plan, device)

@@ -17,7 +17,7 @@ import torch
 
 import tests.support.split_cases as dc
 from tokensampler import Sampler
-from tokensampler.backends.native.config import NativeConfig
+from tokensampler.backends.torch_step.config import NativeConfig
 from tokensampler.backends.triton.config import KernelConfig
 
 BACKENDS = ("direct", "block", "kernels", "split2", "split3")

@@ -1,6 +1,6 @@
 """The backends of one sampling step, behind one interface (`base.Step`), chosen in one place.
 
-- `native`: torch ops, sort-free, the CPU fast path (and the torch path on CUDA);
+- `torch_step`: torch ops, sort-free, the CPU fast path (and the torch path on CUDA);
 - `triton`: fused Triton kernels for CUDA logits;
 - `split`: the vocabulary split over a group, a few small all-gathers per step.
 
@@ -22,8 +22,8 @@ from ..parallel.agreement import Agreement
 from ..state import SamplerState
 from .base import Step
 from .choice import BackendChoice
-from .native.config import NativeConfig
-from .native.step import TorchStep
+from .torch_step.config import NativeConfig
+from .torch_step.step import TorchStep
 from .triton.config import KernelConfig, covers
 
 __all__ = ["BackendChoice", "Backends", "Step"]
@@ -42,7 +42,7 @@ class Backends:
         self.agreement = agreement
         self.kernel_config = kernel_config
         self.choice = BackendChoice("torch", False, False) if choice is None else choice
-        self.native = TorchStep(state, logprobs_mode, native_config, compiled=self.choice.compile)
+        self.torch_step = TorchStep(state, logprobs_mode, native_config, compiled=self.choice.compile)
         self._kernels: Step | None = None
         self._split: Step | None = None
 
@@ -52,18 +52,18 @@ class Backends:
             return self.split
         if self.choice.use_kernels(plan.logprobs_width) and covers(plan):
             return self.kernels
-        return self.native
+        return self.torch_step
 
     def warmup(self) -> dict:
-        """Run the torch step's routes once (`native.warmup.warm`) on a scratch state, when its
+        """Run the torch step's routes once (`torch_step.warmup.warm`) on a scratch state, when its
         compiled reductions are on (`choice.compile`) and this sampler holds the whole vocabulary
         (the split step and the Triton kernels compile nothing through torch.compile)."""
-        from .native.warmup import warm
+        from .torch_step.warmup import warm
 
         layout = self.state.layout
         if layout.split or not self.choice.compile:
             return {"seconds": 0.0, "steps": 0}
-        return warm(layout.vocab_size, layout.padded_vocab_size, self.logprobs_mode, self.native.config,
+        return warm(layout.vocab_size, layout.padded_vocab_size, self.logprobs_mode, self.torch_step.config,
                     self.state.device)
 
     @property

@@ -9,7 +9,7 @@ environment's default, read at that moment:
   need Triton's interpreter, TRITON_INTERPRET=1). None: TOKENSAMPLER_BACKEND, "auto" when unset or
   empty. Whatever the backend, a step whose batch asks more than `MAX_KERNEL_LOGPROBS` logprobs,
   and every step of a vocabulary split, runs the torch or split step.
-- `compile`: True compiles the torch step's full-row reductions (`native.compile_cache`), False
+- `compile`: True compiles the torch step's full-row reductions (`torch_step.compile_cache`), False
   keeps it eager (the same tokens). None: TOKENSAMPLER_COMPILE (0/false/no/off: False;
   1/true/yes/on or unset: True).
 

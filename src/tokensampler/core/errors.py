@@ -92,4 +92,4 @@ class InvalidEnvironment(TokenSamplerError):
 class CompileFallbackWarning(UserWarning):
     """The torch in use differs from what the compile cache's private torch APIs expect (an
     attribute missing, an internal raising): the function runs eagerly, with the same tokens.
-    Emitted once per process (`backends.native.torch_private`)."""
+    Emitted once per process (`backends.torch_step.torch_private`)."""

@@ -14,7 +14,7 @@ from .params import SamplingParams
 # The definition's edits (steps 3-5) and filters (steps 8-10), in the definition's order, each named
 # by its `StepPlan` flag. "token_bitmask" is the one edit that is a call argument, not a row
 # parameter: `StepPlan.edits(token_bitmask=...)` adds it for a masked call. Every name has one
-# torch implementation in `backends/native/stages.py` (docs/architecture.md, "Adding a stage").
+# torch implementation in `backends/torch_step/stages.py` (docs/architecture.md, "Adding a stage").
 EDIT_STAGES = ("allowed_ids", "token_bitmask", "bad_words", "min_tokens", "logit_bias", "penalties")
 FILTER_STAGES = ("min_p", "top_k", "top_p")
 

@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 import torch
 
 from ..backends.choice import BackendChoice
-from ..backends.native import compile_cache
+from ..backends.torch_step import compile_cache
 from ..reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 from ..sampler import Sampler
 from . import bench_vllm

@@ -47,7 +47,7 @@ def measure(vocab: int, padded: int, max_slots: int, batches: Sequence[int], see
     warm-up report and, per batch size, the three call times (ms) and first / second."""
     from torch._dynamo.utils import counters
 
-    from ..backends.native import compile_cache
+    from ..backends.torch_step import compile_cache
     sampler = Sampler(vocab, max_slots=max_slots, padded_vocab_size=padded, max_logprobs=20, compile=True)
     start = time.perf_counter()
     report = sampler.warmup()

@@ -31,7 +31,7 @@ from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...parallel.transport import Exchange
 from ...state import SamplerState
-from ..native import stages
+from ..torch_step import stages
 from . import merge as sel
 
 DEFAULT_TOP_P_PIVOTS = 255
@@ -52,7 +52,7 @@ def _saturated_value(value: torch.Tensor, has_posinf: torch.Tensor) -> torch.Ten
 def _processed_z(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                  token_bitmask: torch.Tensor | None = None):
     """Steps 1 and 3-5 on the slice: (raw z, processed z), float32 [B, width], padding at -inf.
-    The edits are the torch step's own stages (`native.stages.apply_edits`) on this rank's slice
+    The edits are the torch step's own stages (`torch_step.stages.apply_edits`) on this rank's slice
     state: the token bitmask is read at this rank's bits (global ids offset..); bad words ban
     global ids, each removed on the rank that holds it."""
     z = stages.clean_logits(torch.empty(logits.shape, dtype=torch.float32, device=logits.device), logits,

@@ -1,4 +1,4 @@
-"""backends/native/stages.py: one implementation per stage of the definition.
+"""backends/torch_step/stages.py: one implementation per stage of the definition.
 
 The registry matches the plan's flags (a flag without a stage, or a stage without a flag, fails
 here); the composed edits give reference.py's z after step 5 (greedy rows: the oracle's processed
@@ -18,7 +18,7 @@ import torch
 from tests.support.bitmask import pack_bits
 from tests.support.speculative_cases import random_logits
 from tokensampler import Sampler, SamplingParams
-from tokensampler.backends.native import masking, stages
+from tokensampler.backends.torch_step import masking, stages
 from tokensampler.core import rng
 from tokensampler.core.plan import EDIT_STAGES, FILTER_STAGES, StepPlan, plan_step
 from tokensampler.reference import ReferenceRequest, reference_sample_row
@@ -200,7 +200,7 @@ def test_a_stage_without_a_kernel_mirror_is_handed_to_the_torch_step(monkeypatch
     backends = sampler.backends
     assert backends.choose(logits, with_words) is backends.kernels  # every stage is mirrored today
     monkeypatch.setattr(kernel_config, "KERNEL_STAGES", kernel_config.KERNEL_STAGES - {"bad_words"})
-    assert backends.choose(logits, with_words) is backends.native
+    assert backends.choose(logits, with_words) is backends.torch_step
     assert backends.choose(logits, without) is backends.kernels
     monkeypatch.setattr(kernel_config, "KERNEL_STAGES", kernel_config.KERNEL_STAGES - {"top_k"})
-    assert backends.choose(logits, without) is backends.native
+    assert backends.choose(logits, without) is backends.torch_step

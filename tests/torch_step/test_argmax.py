@@ -1,10 +1,10 @@
-"""backends/native/argmax.first_argmax equals torch.argmax (first maximum) on ties, NaN, -inf rows and tails."""
+"""backends/torch_step/argmax.first_argmax equals torch.argmax (first maximum) on ties, NaN, -inf rows and tails."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tokensampler.backends.native.argmax import block_size, first_argmax
+from tokensampler.backends.torch_step.argmax import block_size, first_argmax
 
 
 @settings(max_examples=150, deadline=None)

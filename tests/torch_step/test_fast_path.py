@@ -1,4 +1,4 @@
-"""The CPU fast path (backends/native: select, gumbel, fused, the torch step) against reference.py.
+"""The CPU fast path (backends/torch_step: select, gumbel, candidates, the torch step) against reference.py.
 
 Token for token (and every logprobs field) on randomised batches: shapes, dtypes, padded
 vocabularies, parameter mixes within one batch, ties, -inf/NaN/+inf rows, histories, both the
@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from tests.support.runs import MODES, assert_same_output, run_reference, run_sampler
 from tokensampler import Sampler, SamplingParams
-from tokensampler.backends.native import fused, gumbel, select
-from tokensampler.backends.native.config import NativeConfig
+from tokensampler.backends.torch_step import candidates, gumbel, select
+from tokensampler.backends.torch_step.config import NativeConfig
 from tokensampler.core import rng
 
 NEG_INF = float("-inf")
@@ -209,15 +209,15 @@ def test_matches_reference_direct_route(case, direct):
 
 
 def _record_routes(monkeypatch) -> list[bool]:
-    """A list that gets, per `fused.sample_rows` call, whether it ran in place (block route)."""
+    """A list that gets, per `candidates.sample_rows` call, whether it ran in place (block route)."""
     seen = []
-    real = fused.sample_rows
+    real = candidates.sample_rows
 
     def spy(*args, **kw):
         seen.append(kw.get("in_place", True))
         return real(*args, **kw)
 
-    monkeypatch.setattr(fused, "sample_rows", spy)
+    monkeypatch.setattr(candidates, "sample_rows", spy)
     return seen
 
 
@@ -251,7 +251,7 @@ def test_undivided_floor_is_below_every_value_that_divides_above_lower():
         scale = torch.tensor([t])
         divided = z / t
         for lower in divided[torch.randint(0, z.numel(), (50,), generator=gen)].tolist() + [0.0, 1e-40]:
-            floor = fused.undivided_floor(torch.tensor([lower]), scale)
+            floor = candidates.undivided_floor(torch.tensor([lower]), scale)
             assert bool((z[divided >= lower] >= floor).all()), (t, lower)
 
 
@@ -271,7 +271,7 @@ def test_bench_shaped_rows_match_reference():
 def test_mixed_batch_routes_each_row_to_its_own_work(monkeypatch):
     """Greedy rows never reach the noise; only rows whose top-p needs the whole row's mass get the
     full-row pass (the tail below their list); the other rows work on their candidate lists."""
-    from tokensampler.backends.native import row_stats
+    from tokensampler.backends.torch_step import row_stats
     calls = {"noise_rows": 0, "kept_mass_rows": 0, "tail_rows": 0}
     real_noise, real_mass, real_tail = gumbel.gumbel_argmax_candidates, select.kept_mass, row_stats.tail_mass
 
@@ -353,7 +353,7 @@ def test_compiled_path_matches_reference_and_eager():
     """compile=True: the dense noise block runs through inductor. Its hash bits equal rng's, its
     noise is within the bound the exact recheck relies on, and the tokens equal the reference's and
     the eager path's."""
-    from tokensampler.backends.native import compile_cache
+    from tokensampler.backends.torch_step import compile_cache
     scores_of = compile_cache.maybe_compiled("approx_scores", gumbel.approx_scores, True)
     assert scores_of is not gumbel.approx_scores
     keys = rng.row_key(torch.tensor([3, 99]), torch.tensor([5, 6]), 0)
@@ -457,8 +457,8 @@ def test_top_p_rows_with_many_winnable_ids_take_the_head_route(mode, monkeypatch
     chunk maximum are listed; the top-p crossing lies there, the dense route is never run, and the
     tokens and logprobs are the reference's."""
     dense_calls = []
-    real_dense = fused._dense_route
-    monkeypatch.setattr(fused, "_dense_route", lambda *a: dense_calls.append(1) or real_dense(*a))
+    real_dense = candidates._dense_route
+    monkeypatch.setattr(candidates, "_dense_route", lambda *a: dense_calls.append(1) or real_dense(*a))
     logits = gaussian_rows(6, 60000, 4.0, seed=1)
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, logprobs=3) for s in range(5)]
     params.append(SamplingParams(temperature=0.8, top_p=0.9, min_p=0.01, seed=9, logprobs=2))
@@ -483,8 +483,8 @@ def test_head_route_sends_only_the_rows_whose_crossing_is_deeper_to_the_dense_ro
     (below it): the dense route runs once, on those two rows alone, and every row's token, logprobs
     and processed values are the reference's."""
     dense_rows = []
-    real_dense = fused._dense_route
-    monkeypatch.setattr(fused, "_dense_route", lambda z, *a: dense_rows.append(z.shape[0]) or real_dense(z, *a))
+    real_dense = candidates._dense_route
+    monkeypatch.setattr(candidates, "_dense_route", lambda z, *a: dense_rows.append(z.shape[0]) or real_dense(z, *a))
     logits = gaussian_rows(7, 60000, 4.0, seed=3)
     params = [SamplingParams(temperature=0.8, top_p=0.999 if s in (1, 4) else 0.9, seed=s, logprobs=3)
               for s in range(7)]

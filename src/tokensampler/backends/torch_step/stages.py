@@ -14,7 +14,7 @@ restore them (the torch step's direct route). The composers:
 - `SplitStep` (`backends/split/step.py:_processed_z`): `apply_edits` on a rank's slice (the rows'
   state is the slice's; bad words and the token bitmask are read at global ids from `offset`).
 
-The filters have one torch implementation, `filter_and_draw`: `fused.sample_rows` (temperature,
+The filters have one torch implementation, `filter_and_draw`: `candidates.sample_rows` (temperature,
 the three thresholds as one per row, the Gumbel argmax), on the parameter columns `filter_columns`
 builds (the only place they are built). The split step computes the same thresholds by exact
 merges over its ranks (`backends/split`), the Triton kernels mirror everything bit for bit
@@ -36,7 +36,7 @@ from ...core.constants import NEG_INF
 from ...core.params import SamplingParams
 from ...core.plan import EDIT_STAGES, has_penalties
 from ...state import SamplerState
-from . import fused, masking, penalties
+from . import candidates, masking, penalties
 from .config import DEFAULT, NativeConfig
 from .indexing import read_at, write_at
 
@@ -161,7 +161,7 @@ EDITS: dict[str, Callable[[torch.Tensor, StageRows], None]] = {
     "logit_bias": add_logit_bias,
     "penalties": apply_penalties,
 }
-# one implementation per edit flag of the plan, in the definition's order (tests/native/test_stages.py)
+# one implementation per edit flag of the plan, in the definition's order (tests/torch_step/test_stages.py)
 
 # the edits with a cell form: few ids per row, so the direct route writes them into the caller's logits
 CELL_EDITS: dict[str, Callable[[torch.Tensor, StageRows], Cells | None]] = {
@@ -203,12 +203,12 @@ def restore_cells(z: torch.Tensor, undo: list[Cells]) -> None:
 def filter_columns(state: SamplerState, slots: torch.Tensor, params: Sequence[SamplingParams],
                    config: NativeConfig = DEFAULT,
                    dense_buffer: Callable[[int], torch.Tensor] | None = None,
-                   compiled: bool = False) -> fused.RowColumns:
+                   compiled: bool = False) -> candidates.RowColumns:
     """The parameter columns of sampled rows (slots int64 [R], their params) for `filter_and_draw`:
     temperature, min-p, top-k, top-p, the noise keys (seed, position, stream), and which filters
     some row needs; `compiled`: the full-row passes through the compile cache (the sampler's choice)."""
     st = state
-    return fused.RowColumns(
+    return candidates.RowColumns(
         temperature=st.temperature[slots], min_p=st.min_p[slots], top_k=st.top_k[slots], top_p=st.top_p[slots],
         keys=rng.row_key(st.seed[slots], st.position[slots], st.stream[slots]),
         any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
@@ -216,10 +216,10 @@ def filter_columns(state: SamplerState, slots: torch.Tensor, params: Sequence[Sa
         compiled=compiled)
 
 
-def filter_and_draw(z: torch.Tensor, z_max: torch.Tensor, cols: fused.RowColumns, *, exact_threshold: bool,
+def filter_and_draw(z: torch.Tensor, z_max: torch.Tensor, cols: candidates.RowColumns, *, exact_threshold: bool,
                     in_place: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Steps 7-11 for sampled rows: temperature, min-p, top-k and top-p as one threshold per row,
-    and the Gumbel argmax over the kept ids (`fused.sample_rows`, which documents the arguments).
+    and the Gumbel argmax over the kept ids (`candidates.sample_rows`, which documents the arguments).
     Returns (tokens int64 [R], tau float32 [R]), the kept set being {i : z_i / T >= tau}; None when
     `in_place` is False and the rows need the block route."""
-    return fused.sample_rows(z, z_max, cols, exact_threshold=exact_threshold, in_place=in_place)
+    return candidates.sample_rows(z, z_max, cols, exact_threshold=exact_threshold, in_place=in_place)

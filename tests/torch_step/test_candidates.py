@@ -1,4 +1,4 @@
-"""backends/native/fused.py: steps 7-11 of sampled rows, called directly.
+"""backends/torch_step/candidates.py: steps 7-11 of sampled rows, called directly.
 
 The not-in-place form (the caller's own logits, divided by T only where they are read) must give
 the definition's tokens on every path that reads values through the undivided-row scale: the
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tokensampler import SamplingParams
-from tokensampler.backends.native import fused
+from tokensampler.backends.torch_step import candidates
 from tokensampler.core import rng
 from tokensampler.reference import ReferenceRequest, reference_sample_row
 
@@ -20,12 +20,12 @@ FIRST_SEED = 100  # row r draws its noise with seed FIRST_SEED + r
 POSITION = 7
 
 
-def _columns(temperature: float, top_p: list[float], min_p: float = 0.0, dense_buffer=None) -> fused.RowColumns:
+def _columns(temperature: float, top_p: list[float], min_p: float = 0.0, dense_buffer=None) -> candidates.RowColumns:
     rows = len(top_p)
     min_p_t = torch.full((rows,), min_p, dtype=torch.float32)
     top_p_t = torch.tensor(top_p, dtype=torch.float64)
     keys = rng.row_key(FIRST_SEED + torch.arange(rows), POSITION)
-    return fused.RowColumns(torch.full((rows,), temperature, dtype=torch.float32), min_p_t,
+    return candidates.RowColumns(torch.full((rows,), temperature, dtype=torch.float32), min_p_t,
                             torch.zeros(rows, dtype=torch.int64), top_p_t, keys, min_p > 0, False,
                             bool((top_p_t < 1.0).any()), dense_buffer)
 
@@ -59,10 +59,10 @@ def test_not_in_place_rows_give_the_in_place_tokens():
         want = _reference_tokens(logits, 0.1, top_p, min_p)
         z_max = logits.amax(dim=-1)
         kept = logits.clone()
-        got = fused.sample_rows(kept, z_max, _columns(0.1, top_p, min_p), exact_threshold=False, in_place=False)
+        got = candidates.sample_rows(kept, z_max, _columns(0.1, top_p, min_p), exact_threshold=False, in_place=False)
         assert got is not None and torch.equal(kept, logits)  # nothing written
         assert got[0].tolist() == want, (top_p, min_p)
-        divided = fused.sample_rows(logits.clone(), z_max, _columns(0.1, top_p, min_p), exact_threshold=False)
+        divided = candidates.sample_rows(logits.clone(), z_max, _columns(0.1, top_p, min_p), exact_threshold=False)
         assert divided[0].tolist() == want, (top_p, min_p)
     assert len(set(_reference_tokens(logits, 0.1, [0.9] * 8, 1e-12))) > 1  # the cases tell the kept sets apart
 
@@ -70,13 +70,13 @@ def test_not_in_place_rows_give_the_in_place_tokens():
 def test_dense_route_without_a_buffer():
     logits = torch.randn(3, 20000, generator=torch.Generator().manual_seed(4))
     top_p = [0.9, 0.5, 0.95]
-    got = fused.sample_rows(logits.clone(), logits.amax(dim=-1), _columns(1.0, top_p), exact_threshold=True)
+    got = candidates.sample_rows(logits.clone(), logits.amax(dim=-1), _columns(1.0, top_p), exact_threshold=True)
     assert got[0].tolist() == _reference_tokens(logits, 1.0, top_p)
 
 
 def test_temperature_overflow_applies_the_posinf_rule():
     z = torch.tensor([[3e38, 2.9e38, 1.0, -5.0], [1.0, 2.0, 3.0, 4.0]])
-    new_max = fused.apply_temperature(z, z.amax(dim=-1), torch.tensor([0.5, 2.0]))
+    new_max = candidates.apply_temperature(z, z.amax(dim=-1), torch.tensor([0.5, 2.0]))
     assert new_max.tolist() == [0.0, 2.0]
     assert z.tolist() == [[0.0, 0.0, NEG_INF, NEG_INF], [0.5, 1.0, 1.5, 2.0]]
 
@@ -89,7 +89,7 @@ def test_exact_threshold_below_the_candidate_list():
     logits[:, 0] = 0.0
     logits[:, 1:51] = -3.0
     top_p = [1.0 - 3e-8, 1.0 - 3e-8]
-    _, tau = fused.sample_rows(logits.clone(), logits.amax(dim=-1), _columns(1.0, top_p), exact_threshold=True)
+    _, tau = candidates.sample_rows(logits.clone(), logits.amax(dim=-1), _columns(1.0, top_p), exact_threshold=True)
     for r in range(2):
         params = SamplingParams(top_p=top_p[r], seed=FIRST_SEED + r)
         request = ReferenceRequest(params, FIRST_SEED + r, POSITION)
@@ -106,5 +106,5 @@ def test_more_rows_than_the_sorted_head_with_short_lists():
     logits[:, 0] = 0.0
     logits[:, 1:51] = -torch.arange(1, 51, dtype=torch.float32) / 10
     top_p = [0.3] * 80
-    got = fused.sample_rows(logits.clone(), logits.amax(dim=-1), _columns(1.0, top_p), exact_threshold=False)
+    got = candidates.sample_rows(logits.clone(), logits.amax(dim=-1), _columns(1.0, top_p), exact_threshold=False)
     assert got[0].tolist() == _reference_tokens(logits, 1.0, top_p)

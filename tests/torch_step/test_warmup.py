@@ -1,4 +1,4 @@
-"""backends/native/warmup.py and compile_cache.py: after `Sampler.warmup`, no step compiles anything.
+"""backends/torch_step/warmup.py and compile_cache.py: after `Sampler.warmup`, no step compiles anything.
 
 With torch.compile on and a fresh inductor cache directory: warm-up prepares the compiled
 functions; then batches of sizes 1, 3, 7, 13, 21, 29 and max_slots with mixed parameters (peaked
@@ -21,7 +21,7 @@ import torch
 
 from tests.support.runs import run_reference
 from tokensampler import Sampler, SamplingParams
-from tokensampler.backends.native import compile_cache, warmup
+from tokensampler.backends.torch_step import compile_cache, warmup
 from tokensampler.tools.workloads import make_logits
 
 VOCAB, PADDED, SLOTS = 40000, 40064, 32
@@ -111,7 +111,7 @@ def test_a_second_process_loads_what_warmup_compiled(compiled, tmp_path, monkeyp
     compile_cache.maybe_compiled("only_in_this_process", lambda t: t + 1, True)(torch.ones(2, 3))
     Sampler(VOCAB, max_slots=SLOTS, padded_vocab_size=PADDED, compile=True).warmup()  # (compiled above, or now)
     code = ("import json, os; from tokensampler import Sampler; "
-            "from tokensampler.backends.native import compile_cache as c; "
+            "from tokensampler.backends.torch_step import compile_cache as c; "
             f"r = Sampler({VOCAB}, max_slots={SLOTS}, padded_vocab_size={PADDED}, compile=True).warmup(); "
             "print(json.dumps({'warmup': r, 'functions': c.report()['functions'], 'uncalled': c.uncalled(), "
             "'env': 'TORCHINDUCTOR_CACHE_DIR' in os.environ}))")
@@ -138,7 +138,7 @@ def test_compiled_functions_serve_every_row_count_without_guards_failing(compile
     """One artefact per layout: row counts 0, 1, 2 and 64, padded rows and views of larger tensors
     (passed as plain aliases: no guard reads a view's base) run the compiled code (no eager
     fallback), with the eager function's results."""
-    from tokensampler.backends.native import row_stats
+    from tokensampler.backends.torch_step import row_stats
     count = compile_cache.maybe_compiled("winnable_count", row_stats._count, True)
     before = _fallbacks()
     for rows in (0, 1, 2, 64):
@@ -157,7 +157,7 @@ def test_an_artefact_serves_only_the_thread_count_it_was_built_for(compiled, tmp
     variant of the new count instead of falling back to eager, and a process started with the other
     count loads its own artefacts (the warm-up's record is per thread count): it falls back nowhere
     and compiles nothing after its warm-up."""
-    from tokensampler.backends.native import row_stats
+    from tokensampler.backends.torch_step import row_stats
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "threads"))
     threads = torch.get_num_threads()
     count = compile_cache.maybe_compiled("winnable_count", row_stats._count, True)
@@ -173,7 +173,7 @@ def test_an_artefact_serves_only_the_thread_count_it_was_built_for(compiled, tmp
     assert {key[0] for key in count.variants if key[1:] == compile_cache._layout((z, floor), (0, 1))[1:]} \
         >= {("threads", 1), ("threads", 2)}
     code = ("import json, sys, torch; from tokensampler import Sampler, SamplingParams; "
-            "from tokensampler.backends.native import compile_cache as c; torch.set_num_threads(int(sys.argv[1])); "
+            "from tokensampler.backends.torch_step import compile_cache as c; torch.set_num_threads(int(sys.argv[1])); "
             f"s = Sampler({VOCAB}, max_slots=4, padded_vocab_size={PADDED}, compile=True); s.warmup(); "
             "p = c.prepared(); "
             "[s.add_request(i, SamplingParams(temperature=1.0, top_p=0.9, seed=i), []) for i in range(4)]; "

@@ -71,7 +71,7 @@ def _source_key() -> str:
                      torch.backends.cpu.get_cpu_capability()):
             digest.update(str(part).encode())
         package = Path(__file__).resolve().parents[2]
-        sources = [*package.joinpath("backends", "native").glob("*.py"), *package.joinpath("core").glob("*.py")]
+        sources = [*package.joinpath("backends", "torch_step").glob("*.py"), *package.joinpath("core").glob("*.py")]
         for path in sorted(sources):
             digest.update(path.read_bytes())
         _SOURCE_KEY.append(digest.hexdigest()[:20])

@@ -1,4 +1,4 @@
-"""backends/native/dense.py (the dense route for flat rows) against reference.py and its own parts.
+"""backends/torch_step/dense.py (the dense route for flat rows) against reference.py and its own parts.
 
 Token for token (and the processed logprobs, which show the kept set) on flat rows with the dense
 route forced (`NativeConfig(candidate_cap=0)`): top-p alone and with min-p / top-k, ties, -inf ids; then
@@ -13,8 +13,8 @@ import torch
 
 from tests.support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
-from tokensampler.backends.native import dense, gumbel, select
-from tokensampler.backends.native.config import NativeConfig
+from tokensampler.backends.torch_step import dense, gumbel, select
+from tokensampler.backends.torch_step.config import NativeConfig
 from tokensampler.core import rng
 from tokensampler.tools.workloads import make_logits
 

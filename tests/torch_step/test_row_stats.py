@@ -1,4 +1,4 @@
-"""backends/native/row_stats.py: the compiled count and tail passes, and the error bound top-p relies on.
+"""backends/torch_step/row_stats.py: the compiled count and tail passes, and the error bound top-p relies on.
 
 The compiled tail mass may differ from the reference's (eager exp) by an ulp per id; the sampler
 decides top-p at both ends of `mass_error` and recomputes the rows where they disagree. These tests
@@ -14,7 +14,7 @@ import torch
 
 from tests.support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
-from tokensampler.backends.native import row_stats
+from tokensampler.backends.torch_step import row_stats
 
 NEG_INF = float("-inf")
 
@@ -28,7 +28,7 @@ def test_compiled_tail_is_within_the_error_bound():
     """Inductor's exp is within 2 ulps of eager torch.exp over the range the mass sees, and the
     compiled tail is within `mass_error` of the eager sum (the reference's exp), with and without a
     scale (undivided rows)."""
-    from tokensampler.backends.native import compile_cache
+    from tokensampler.backends.torch_step import compile_cache
     gen = torch.Generator().manual_seed(5)
     x = torch.cat([-110 * torch.rand(1 << 20, generator=gen), -torch.rand(1 << 18, generator=gen) * 1e-3,
                    torch.tensor([0.0, -87.3, -103.9, -1e-30])])

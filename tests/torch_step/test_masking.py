@@ -1,4 +1,4 @@
-"""backends/native/masking.py: steps 1 and 3 on hand-computed rows."""
+"""backends/torch_step/masking.py: steps 1 and 3 on hand-computed rows."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from tokensampler.backends.native import masking
+from tokensampler.backends.torch_step import masking
 
 NEG_INF = float("-inf")
 

@@ -1,10 +1,10 @@
-"""backends/native/select.py: the sort-free thresholds, on hand-computed rows."""
+"""backends/torch_step/select.py: the sort-free thresholds, on hand-computed rows."""
 
 from __future__ import annotations
 
 import torch
 
-from tokensampler.backends.native import select
+from tokensampler.backends.torch_step import select
 
 NEG_INF = float("-inf")
 

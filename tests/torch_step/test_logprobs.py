@@ -1,4 +1,4 @@
-"""backends/native/logprobs.py: the top-N ids, ranks and log_softmax values of the CPU fast path.
+"""backends/torch_step/logprobs.py: the top-N ids, ranks and log_softmax values of the CPU fast path.
 
 Ids, ranks and the top-N order exactly as reference.py (a stable descending sort of the scores),
 ties at the N-th value and -inf rows included; values within 1e-6 + 1e-6 |value| of
@@ -14,7 +14,7 @@ import torch
 
 from tests.support.runs import MODES, assert_close_logprobs, assert_same_output, run_reference, run_sampler
 from tokensampler import SamplingParams
-from tokensampler.backends.native import logprobs
+from tokensampler.backends.torch_step import logprobs
 from tokensampler.core.order import value_id_keys
 
 NEG_INF = float("-inf")

@@ -1,10 +1,10 @@
-"""backends/native/indexing.py: nonzero_ids equals torch.nonzero on 1-D tensors of any length; read_at/write_at equal
-advanced indexing on contiguous and strided rows."""
+"""backends/torch_step/indexing.py: nonzero_ids equals torch.nonzero on 1-D tensors of any length;
+read_at/write_at equal advanced indexing on contiguous and strided rows."""
 
 import pytest
 import torch
 
-from tokensampler.backends.native.indexing import nonzero_ids, read_at, write_at
+from tokensampler.backends.torch_step.indexing import nonzero_ids, read_at, write_at
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float32])
