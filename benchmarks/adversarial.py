@@ -9,7 +9,7 @@ ids; bad words; token bitmasks; seeds, positions and streams at the ends of thei
 in every mode. A few values are deliberately invalid: the library must reject exactly those. Paths:
 
     sample   `tokensampler.sample`: stateless, one call per case, the default backend
-    torch    `Sampler(backend="torch")`: the torch step, several steps, a random NativeConfig
+    torch    `Sampler(backend="torch")`: the torch step, several steps, a random TorchStepConfig
     kernels  `Sampler(backend="triton")`: the Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1)
     split2   `Sampler` with the vocabulary split over 2 ranks (one thread per rank, in-process all-gather)
     split3   the same over 3 ranks
@@ -47,7 +47,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from tokensampler import Sampler, SamplerOutput, SamplingParams, TokenSamplerError, sample
-from tokensampler.backends.torch_step.config import NativeConfig
+from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.backends.triton.config import KernelConfig
 from tokensampler.core import rng
 from tokensampler.core.order import saturate_posinf
@@ -506,7 +506,7 @@ class Case:
     slots: list[int]
     max_slots: int
     steps: int
-    native: NativeConfig | None = None
+    native: TorchStepConfig | None = None
     kernel: KernelConfig | None = None
     call_error: str | None = None  # `sample` path: a deliberately invalid call argument
     shared: bool = False  # `sample` path: one SamplingParams object for every row
@@ -544,10 +544,10 @@ SIZES = {  # path -> (vocabularies, batch sizes, most steps)
 }
 
 
-def random_native_config(r: random.Random, batch: int) -> NativeConfig:
+def random_step_config(r: random.Random, batch: int) -> TorchStepConfig:
     """The torch step's routes and sizes (they change speed, never a token): default or extreme."""
     if r.random() < 0.4:
-        return NativeConfig()
+        return TorchStepConfig()
     kw: dict[str, Any] = {}
     tiny_blocks = [1, 7, 64, 4096] if batch <= 512 else [1 << 12, 1 << 14]  # one row a block: small batches only
     for name, values in (("direct_route", [True, False]), ("block_elements", tiny_blocks),
@@ -560,7 +560,7 @@ def random_native_config(r: random.Random, batch: int) -> NativeConfig:
             kw[name] = _pick(r, values)
     thresholds = len(kw.get("dense_threshold_offsets", (-64, -16, 0, 16, 64))) + 2
     kw["dense_proxy_column"] = r.randrange(thresholds)
-    return NativeConfig(**kw)
+    return TorchStepConfig(**kw)
 
 
 def random_kernel_config(r: random.Random) -> KernelConfig:
@@ -616,7 +616,7 @@ def make_case(seed: int, path: str, index: int, step_scale: int = 1) -> Case:
             call_error = _pick(r, ["params", "dtype", "shape", "rows", "bitmask", "vocab_size", "positions"])
     max_slots = batch + _pick(r, [0, 0, 1, 5])
     slots = r.sample(range(max_slots), batch)
-    native = random_native_config(r, batch) if path == "torch" else None
+    native = random_step_config(r, batch) if path == "torch" else None
     kernel = random_kernel_config(r) if path == "kernels" else None
     steps = r.randint(1, most_steps) if batch < 2048 else r.randint(most_steps // 2, 2 * most_steps) * step_scale
     return Case(path, index, vocab, padded, dtype, mode, max_logprobs, eos, flavour, rows, slots, max_slots, steps,
@@ -996,7 +996,7 @@ class Engine:
         self.world = case.world
         if self.world == 1:
             backend = {"torch": "torch", "kernels": "triton"}.get(case.path, "auto")
-            self.samplers = [Sampler(case.vocab, native_config=case.native, kernel_config=case.kernel,
+            self.samplers = [Sampler(case.vocab, step_config=case.native, kernel_config=case.kernel,
                                      backend=backend, **kw)]
         else:
             self.hub = ThreadHub(self.world)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
-from tokensampler.backends.torch_step.config import NativeConfig
+from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.parallel import ThreadExchange, ThreadHub
 from tokensampler.reference import ReferenceRequest, reference_sample
 
@@ -106,8 +106,8 @@ def test_top_p_histogram_of_a_row_spanning_less_than_a_float32_step(kw):
            -8.228461016275398e-38, b, ninf, -a, a, b, a]
     logits = torch.tensor([row])
     params = SamplingParams(seed=5, top_p=0.5, **kw)
-    config = NativeConfig(direct_route=False, candidate_cap=2, dense_bracket_cap=1, dense_block=3, block_elements=7)
-    sampler = Sampler(len(row), max_slots=1, native_config=config, backend="torch")
+    config = TorchStepConfig(direct_route=False, candidate_cap=2, dense_bracket_cap=1, dense_block=3, block_elements=7)
+    sampler = Sampler(len(row), max_slots=1, step_config=config, backend="torch")
     sampler.add_request(0, params, [])
     want = reference_sample(logits, [ReferenceRequest(params, 5, 0)])
     assert sampler.sample(logits).token_ids.tolist() == want.token_ids.tolist()

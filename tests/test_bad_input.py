@@ -225,14 +225,14 @@ def test_the_known_failures():
 
 # ------------------------------------------------------------------ Sampler
 SAMPLER_KWARGS = dict(vocab_size=V, max_slots=2, device="cpu", padded_vocab_size=VP, logprobs_mode="raw_logprobs",
-                      max_logprobs=20, eos_token_ids=(2,), group=None, native_config=None, kernel_config=None)
+                      max_logprobs=20, eos_token_ids=(2,), group=None, step_config=None, kernel_config=None)
 
 
 @settings(max_examples=examples(150), **SETTINGS)
 @given(overrides(list(SAMPLER_KWARGS), sizes=("vocab_size", "max_slots", "padded_vocab_size")))
 @example({"device": "nonsense"})
 @example({"device": 1.5})
-@example({"native_config": 5})
+@example({"step_config": 5})
 def test_sampler_constructor(kwargs):
     kwargs = {**SAMPLER_KWARGS, **kwargs}
     sampler, _ = attempt(lambda: Sampler(**kwargs))

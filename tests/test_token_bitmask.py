@@ -241,7 +241,7 @@ def test_empty_row_is_invalid_and_never_a_padded_id(backend):
 def test_llm_sized_rows_sparse_mask_both_routes():
     """LLM-shaped rows at a large vocabulary, a grammar-like sparse mask (the block's sparse copy)
     and a dense one, on the direct-route and block-route samplers: the reference's tokens."""
-    from tokensampler.backends.torch_step.config import NativeConfig
+    from tokensampler.backends.torch_step.config import TorchStepConfig
     from tokensampler.tools.workloads import make_bitmask, make_logits
     vocab = 40000
     logits = make_logits(4, vocab, seed=9)
@@ -251,7 +251,7 @@ def test_llm_sized_rows_sparse_mask_both_routes():
         requests = [ReferenceRequest(p, p.seed, 0) for p in params]
         want = reference_sample(logits, requests, vocab_size=vocab, allowed=allowed)
         for direct in (True, False):
-            sampler = Sampler(vocab, max_slots=4, native_config=NativeConfig(direct_route=direct))
+            sampler = Sampler(vocab, max_slots=4, step_config=TorchStepConfig(direct_route=direct))
             for slot, p in enumerate(params):
                 sampler.add_request(slot, p, [])
             assert not dc.compare("llm rows", sampler.sample(logits, token_bitmask=mask), want)

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import torch
 
 from .backends import BackendChoice, Backends
-from .backends.torch_step.config import NativeConfig
+from .backends.torch_step.config import TorchStepConfig
 from .backends.triton.config import KernelConfig
 from .core import rng
 from .core.checks import as_list, check_choice, check_device, check_int, check_logits, check_token_ids, int_list, is_int
@@ -51,7 +51,7 @@ class Sampler:
     group: a torch.distributed process group (or a `parallel.Exchange`) over which the
       vocabulary is split: each rank passes its slice [B, padded_vocab_size / world] and every
       rank gets the same output (see docs/distributed.md).
-    native_config, kernel_config: tunables of the torch step and of the Triton kernels.
+    step_config, kernel_config: tunables of the torch step and of the Triton kernels.
     backend: "auto" (CUDA logits run the Triton kernels when Triton is importable, else the torch
       step), "torch" or "triton" (forced; CPU tensors need TRITON_INTERPRET=1); None (default): the
       TOKENSAMPLER_BACKEND environment variable, "auto" when unset.
@@ -65,7 +65,7 @@ class Sampler:
     def __init__(self, vocab_size: int, *, max_slots: int, device: torch.device | str = "cpu",
                  padded_vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
                  max_logprobs: int = 20, eos_token_ids: Sequence[int] = (), group: Any = None,
-                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None,
+                 step_config: TorchStepConfig | None = None, kernel_config: KernelConfig | None = None,
                  backend: str | None = None, compile: bool | None = None) -> None:
         self.device = check_device("device", device)
         self.agreement = Agreement.over(group, self.device)
@@ -85,7 +85,7 @@ class Sampler:
             check_int("max_logprobs", max_logprobs, 0)
             eos = int_list("eos_token_ids", eos_token_ids)
             check_token_ids("eos_token_ids", eos, vocab_size)
-            for name, config, kind in (("native_config", native_config, NativeConfig),
+            for name, config, kind in (("step_config", step_config, TorchStepConfig),
                                        ("kernel_config", kernel_config, KernelConfig)):
                 if config is not None and not isinstance(config, kind):
                     raise InvalidSamplingParams(name, config, f"None or a {kind.__name__}")
@@ -100,7 +100,7 @@ class Sampler:
         self.layout = VocabLayout(self.vocab_size, self.padded_vocab_size, self.agreement.rank, world,
                                   sliced=self.agreement.shared)
         self.state = SamplerState(self.max_slots, self.layout, self.device)
-        self.backends = Backends(self.state, self.logprobs_mode, self.agreement, native_config, kernel_config,
+        self.backends = Backends(self.state, self.logprobs_mode, self.agreement, step_config, kernel_config,
                                  choices[0])
         self._row_keys: dict[int, tuple[SamplingParams, int]] = {}  # id(params) -> (params, hash)
         self._default_plan: StepPlan | None = None  # the last plan of rows 0..B-1 (slots=None, unshared)

@@ -35,7 +35,7 @@ import torch
 from .backends import Backends
 from .backends.torch_step import masking, stages
 from .backends.torch_step.argmax import first_argmax
-from .backends.torch_step.config import DEFAULT, NativeConfig
+from .backends.torch_step.config import DEFAULT, TorchStepConfig
 from .backends.torch_step.indexing import nonzero_ids
 from .backends.torch_step.logprobs import gather_logprobs
 from .core import rng
@@ -83,7 +83,7 @@ class TargetRows:
 
 
 def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                config: NativeConfig = DEFAULT, keep_raw: bool = False,
+                config: TorchStepConfig = DEFAULT, keep_raw: bool = False,
                 token_bitmask: torch.Tensor | None = None, compiled: bool = False) -> TargetRows:
     """Steps 1-11 for the rows of `logits` at their slots' current state, keeping the final z.
 

@@ -1,7 +1,7 @@
 """One `Sampler`-like object per backend, so a test runs the same calls on every path:
 
 - "direct", "block": the CPU torch step (`backend="torch"`) with its direct route allowed / forced
-  off (NativeConfig);
+  off (TorchStepConfig);
 - "kernels": the Triton step (CPU tensors in Triton's interpreter, CUDA tensors when there is a GPU),
   forced with `Sampler(backend="triton")`, with small blocks;
 - "split2", "split3": the vocabulary split over 2 / 3 ranks, one thread per rank (each rank gets its
@@ -17,7 +17,7 @@ import torch
 
 import tests.support.split_cases as dc
 from tokensampler import Sampler
-from tokensampler.backends.torch_step.config import NativeConfig
+from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.backends.triton.config import KernelConfig
 
 BACKENDS = ("direct", "block", "kernels", "split2", "split3")
@@ -87,9 +87,9 @@ class SplitSamplers:
 def make_sampler(backend: str, vocab: int, **kw: Any) -> Any:
     """A sampler of `backend` (see the module docstring) built with Sampler's keywords."""
     if backend == "direct":
-        return Sampler(vocab, native_config=NativeConfig(direct_route=True), backend="torch", **kw)
+        return Sampler(vocab, step_config=TorchStepConfig(direct_route=True), backend="torch", **kw)
     if backend == "block":
-        return Sampler(vocab, native_config=NativeConfig(direct_route=False), backend="torch", **kw)
+        return Sampler(vocab, step_config=TorchStepConfig(direct_route=False), backend="torch", **kw)
     if backend == "kernels":
         return KernelSampler(vocab, **kw)
     if backend.startswith("split"):

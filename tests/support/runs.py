@@ -26,7 +26,7 @@ def run_reference(logits, params: Sequence[SamplingParams], *, seeds=None, posit
 def run_sampler(logits, params: Sequence[SamplingParams], *, seeds=None, positions=None, prompts=None,
                 outputs=None, vocab_size=None, logprobs_mode="raw_logprobs", eos=(), streams=None, config=None,
                 backend=None, compile=None):
-    """A fresh `Sampler` (with `config` as its `NativeConfig`, `backend` and `compile` as its choice)
+    """A fresh `Sampler` (with `config` as its `TorchStepConfig`, `backend` and `compile` as its choice)
     holding the rows, one step."""
     batch, padded = logits.shape
     prompts = prompts or [[] for _ in range(batch)]
@@ -34,7 +34,7 @@ def run_sampler(logits, params: Sequence[SamplingParams], *, seeds=None, positio
     streams = streams or [0] * batch
     sampler = Sampler(vocab_size or padded, max_slots=batch, padded_vocab_size=padded,
                       logprobs_mode=logprobs_mode, max_logprobs=max(20, padded), eos_token_ids=eos,
-                      native_config=config, backend=backend, compile=compile)
+                      step_config=config, backend=backend, compile=compile)
     for b in range(batch):
         p = params[b]
         if seeds is not None:

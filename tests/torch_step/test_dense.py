@@ -1,7 +1,7 @@
 """backends/torch_step/dense.py (the dense route for flat rows) against reference.py and its own parts.
 
 Token for token (and the processed logprobs, which show the kept set) on flat rows with the dense
-route forced (`NativeConfig(candidate_cap=0)`): top-p alone and with min-p / top-k, ties, -inf ids; then
+route forced (`TorchStepConfig(candidate_cap=0)`): top-p alone and with min-p / top-k, ties, -inf ids; then
 each fallback on purpose: the bracket too wide for the scan (histogram), the uncertain-row recheck
 (an error bound made huge), a race with too many passers, a proxy sought below the final threshold.
 """
@@ -14,14 +14,14 @@ import torch
 from tests.support.runs import run_reference, run_sampler
 from tokensampler import SamplingParams
 from tokensampler.backends.torch_step import dense, gumbel, select
-from tokensampler.backends.torch_step.config import NativeConfig
+from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.core import rng
 from tokensampler.tools.workloads import make_logits
 
 NEG_INF = float("-inf")
 
 
-DENSE = NativeConfig(candidate_cap=0)  # every sampled row takes the dense route
+DENSE = TorchStepConfig(candidate_cap=0)  # every sampled row takes the dense route
 
 
 def assert_same(logits, params, mode="processed_logprobs", config=DENSE):
@@ -100,7 +100,7 @@ def test_bracket_too_wide_uses_the_histogram(dense_route):
     histogram = Spy(dense_route, select, "top_p_by_histogram")
     logits = flat_batch(3, 3000, 1)
     assert_same(logits, params_for(3, 1, temperature=1.0, top_p=0.9),
-                config=NativeConfig(candidate_cap=0, dense_bracket_cap=0))
+                config=TorchStepConfig(candidate_cap=0, dense_bracket_cap=0))
     assert histogram.rows == 3
 
 
@@ -108,7 +108,7 @@ def test_misplaced_candidates_still_bracket_the_threshold(dense_route):
     """Candidates far from the crossing (the estimate is only a guide): the bracket is wide but
     still provably holds the threshold."""
     for offsets in [(0,), (-1000, 1000), (5, 6)]:
-        config = NativeConfig(candidate_cap=0, dense_threshold_offsets=offsets, dense_proxy_column=1,
+        config = TorchStepConfig(candidate_cap=0, dense_threshold_offsets=offsets, dense_proxy_column=1,
                               dense_sample_stride=7)
         logits = flat_batch(3, 3000, 2)
         assert_same(logits, params_for(3, 2, temperature=1.0, top_p=0.6), config=config)
@@ -138,10 +138,10 @@ def test_crowded_race_falls_back_to_the_dense_noise(dense_route):
 def test_proxy_below_the_final_threshold_is_sought_again(dense_route):
     """S_lo must come from kept ids: a proxy floor below the final threshold is redone."""
     passes = Spy(dense_route, dense, "threshold_pass")
-    proxy = NativeConfig().dense_thresholds - 1  # the floor is tau (-inf)
+    proxy = TorchStepConfig().dense_thresholds - 1  # the floor is tau (-inf)
     logits = flat_batch(3, 3000, 5)
     assert_same(logits, params_for(3, 5, temperature=1.0, top_p=0.3),
-                config=NativeConfig(candidate_cap=0, dense_proxy_column=proxy))
+                config=TorchStepConfig(candidate_cap=0, dense_proxy_column=proxy))
     assert passes.rows == 6  # once for all rows, once again for each top-p row
 
 
@@ -163,7 +163,7 @@ def test_race_argmax_is_the_exact_gumbel_argmax():
     keys = rng.row_key(torch.arange(40) * 31, torch.arange(40), 0)
     p = select.relative_probs(z, z_max)
     floor = threshold.clone()
-    _, odds = dense.threshold_pass(p, z, torch.full((40, NativeConfig().dense_thresholds), NEG_INF),
+    _, odds = dense.threshold_pass(p, z, torch.full((40, TorchStepConfig().dense_thresholds), NEG_INF),
                                    rng.to_int32_words(keys), floor)
     tokens = dense.race_argmax(p, z, z_max, threshold, keys, odds)
     assert torch.equal(tokens, exact_argmax(z, threshold, keys))

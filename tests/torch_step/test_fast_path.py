@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from tests.support.runs import MODES, assert_same_output, run_reference, run_sampler
 from tokensampler import Sampler, SamplingParams
 from tokensampler.backends.torch_step import candidates, gumbel, select
-from tokensampler.backends.torch_step.config import NativeConfig
+from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.core import rng
 
 NEG_INF = float("-inf")
@@ -95,7 +95,7 @@ def test_histogram_threshold_equals_candidate_threshold():
     want, found = select.top_p_from_candidates(values, z_max, tau, bound)
     assert bool(found.all())
     for bins in (1, 2, 7, 4096):
-        config = NativeConfig(histogram_bins=bins)
+        config = TorchStepConfig(histogram_bins=bins)
         assert torch.equal(select.top_p_by_histogram(z, z_max, tau, bound, config=config), want)
         assert torch.equal(select.top_p_by_histogram(z, z_max, tau, None, top_p, config=config), want)
 
@@ -168,9 +168,9 @@ def _compare(case, eos=(), config=None):
 
 
 FAST = settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-DENSE = NativeConfig(candidate_cap=0, dense_block=40)  # every sampled row on the dense route, several blocks per row
+DENSE = TorchStepConfig(candidate_cap=0, dense_block=40)  # every sampled row on the dense route, several blocks per row
 # the list holds only when it is tiny; the crossing bin holds many ids; one row per block
-TINY = NativeConfig(candidate_cap=3, histogram_bins=2, block_elements=1)
+TINY = TorchStepConfig(candidate_cap=3, histogram_bins=2, block_elements=1)
 
 
 @FAST
@@ -205,7 +205,7 @@ def plain_batches(draw):
 @FAST
 @given(case=plain_batches(), direct=st.booleans())
 def test_matches_reference_direct_route(case, direct):
-    _compare(case, config=NativeConfig(direct_route=direct))
+    _compare(case, config=TorchStepConfig(direct_route=direct))
 
 
 def _record_routes(monkeypatch) -> list[bool]:
@@ -238,7 +238,7 @@ def test_direct_route_is_taken_and_matches_the_block_route(monkeypatch):
     want = run_reference(logits, params, **history)
     direct = run_sampler(logits, params, **history)
     assert seen == [False] and torch.equal(logits, before)
-    blocked = run_sampler(logits, params, config=NativeConfig(direct_route=False), **history)
+    blocked = run_sampler(logits, params, config=TorchStepConfig(direct_route=False), **history)
     assert seen[1:] and all(seen[1:])
     assert_same_output(want, direct)
     assert_same_output(want, blocked)
@@ -325,11 +325,11 @@ def test_no_logits_sized_allocation_in_a_step(direct):
     below one float32 buffer of the logits (the bench reports the same measure on the matrix)."""
     from tokensampler.tools.bench_memory import step_memory_report
     # the bench's proportions: blocks << logits
-    config = NativeConfig(block_elements=1 << 13, direct_route=direct, dense_block=1 << 12, column_chunk=1 << 11)
+    config = TorchStepConfig(block_elements=1 << 13, direct_route=direct, dense_block=1 << 12, column_chunk=1 << 11)
     batch, vocab = 32, 1 << 12  # 16 blocks of 2 rows
     from tokensampler.tools.workloads import make_logits
     logits = make_logits(batch, vocab, seed=2)
-    sampler = Sampler(vocab, max_slots=batch, native_config=config)
+    sampler = Sampler(vocab, max_slots=batch, step_config=config)
     for b in range(batch):
         # T = 0.45: about 1.5% of the ids can win, as on the bench's rows (T = 0.8 at V = 151936)
         sampler.add_request(b, SamplingParams(temperature=0.45, top_p=0.9, seed=b, logprobs=3), [])
@@ -367,7 +367,7 @@ def test_compiled_path_matches_reference_and_eager():
     logits = make_logits(3, 3000, flat=True, seed=4)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=1), SamplingParams(temperature=0.9, seed=2),
               SamplingParams(temperature=1.0, min_p=0.001, seed=3, logprobs=2)]
-    dense = NativeConfig(candidate_cap=0)
+    dense = TorchStepConfig(candidate_cap=0)
     want = run_reference(logits, params, logprobs_mode="processed_logprobs")
     compiled = run_sampler(logits, params, logprobs_mode="processed_logprobs", config=dense, compile=True)
     eager = run_sampler(logits, params, logprobs_mode="processed_logprobs", config=dense, compile=False)
@@ -381,7 +381,7 @@ def test_top_p_bound_reached_exactly_is_the_border(cap, bins):
     1.5 = 0.75 * 2 exactly, not < the bound: they go; the 1/2 id (mass above 1 < 1.5) stays."""
     logits = torch.tensor([[0.0, math.log(0.5), math.log(0.25), math.log(0.25), NEG_INF]])
     assert torch.exp(logits[0, :4]).tolist() == [1.0, 0.5, 0.25, 0.25]
-    config = NativeConfig(candidate_cap=cap, histogram_bins=bins)  # 1 bin: the in-bin scan finds the border
+    config = TorchStepConfig(candidate_cap=cap, histogram_bins=bins)  # 1 bin: the in-bin scan finds the border
     params = [SamplingParams(top_p=0.75, seed=9, logprobs=5)]
     want = run_reference(logits, params, logprobs_mode="processed_logits")
     got = run_sampler(logits, params, logprobs_mode="processed_logits", config=config)
@@ -418,7 +418,7 @@ def test_top_p_total_over_a_kept_set_longer_than_the_sorted_head(mode):
     assert_same_output(want, got)
     if mode == "processed_logits":
         kept = (got.logprobs.top_logprobs > NEG_INF).sum(dim=-1)
-        assert bool((kept[:3] > NativeConfig().top_p_head).all()), kept
+        assert bool((kept[:3] > TorchStepConfig().top_p_head).all()), kept
 
 
 def test_compiled_direct_route_matches_reference(monkeypatch):
@@ -440,7 +440,7 @@ def test_compiled_direct_route_matches_reference(monkeypatch):
     got = run_sampler(logits, params, compile=True, **history)
     assert seen == [False] and torch.equal(logits, before)
     assert_same_output(want, got)
-    assert_same_output(want, run_sampler(logits, params, config=NativeConfig(direct_route=False), compile=True,
+    assert_same_output(want, run_sampler(logits, params, config=TorchStepConfig(direct_route=False), compile=True,
                                          **history))
 
 
@@ -473,7 +473,7 @@ def test_head_route_falls_back_to_the_dense_route_when_the_crossing_is_deeper():
     and the tokens are still the reference's (a kept set cut at the head would differ)."""
     logits = gaussian_rows(4, 60000, 4.0, seed=2)
     params = [SamplingParams(temperature=0.8, top_p=0.999, seed=s) for s in range(4)]
-    for config in (NativeConfig(), NativeConfig(top_p_head_chunks=2)):
+    for config in (TorchStepConfig(), TorchStepConfig(top_p_head_chunks=2)):
         assert_same_output(run_reference(logits, params), run_sampler(logits, params, config=config))
 
 

@@ -22,7 +22,7 @@ from ..parallel.agreement import Agreement
 from ..state import SamplerState
 from .base import Step
 from .choice import BackendChoice
-from .torch_step.config import NativeConfig
+from .torch_step.config import TorchStepConfig
 from .torch_step.step import TorchStep
 from .triton.config import KernelConfig, covers
 
@@ -35,14 +35,14 @@ class Backends:
     choice: the sampler's resolved `BackendChoice` (default: the torch step, eager)."""
 
     def __init__(self, state: SamplerState, logprobs_mode: str, agreement: Agreement,
-                 native_config: NativeConfig | None = None, kernel_config: KernelConfig | None = None,
+                 step_config: TorchStepConfig | None = None, kernel_config: KernelConfig | None = None,
                  choice: BackendChoice | None = None) -> None:
         self.state = state
         self.logprobs_mode = logprobs_mode
         self.agreement = agreement
         self.kernel_config = kernel_config
         self.choice = BackendChoice("torch", False, False) if choice is None else choice
-        self.torch_step = TorchStep(state, logprobs_mode, native_config, compiled=self.choice.compile)
+        self.torch_step = TorchStep(state, logprobs_mode, step_config, compiled=self.choice.compile)
         self._kernels: Step | None = None
         self._split: Step | None = None
 

@@ -28,7 +28,7 @@ import torch
 from ...core.constants import NEG_INF, POS_INF
 from ...core.order import saturate_posinf
 from . import dense, gumbel, row_stats, select
-from .config import DEFAULT, NativeConfig
+from .config import DEFAULT, TorchStepConfig
 
 
 @dataclass
@@ -44,7 +44,7 @@ class RowColumns:
     any_top_k: bool
     any_top_p: bool
     dense_buffer: Callable[[int], torch.Tensor] | None = None  # float32 of >= n elements, kept by the caller
-    config: NativeConfig = DEFAULT
+    config: TorchStepConfig = DEFAULT
     compiled: bool = False  # the full-row passes compiled (the sampler's choice; the same tokens either way)
 
 
@@ -71,7 +71,7 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
     z: float32 [R, V], the rows after penalties (-inf = removed). Divided by T in place unless
         `in_place` is False.
     z_max: float32 [R], each row's max of `z` (finite, or +inf).
-    cols: the rows' parameter columns, noise keys and `NativeConfig`.
+    cols: the rows' parameter columns, noise keys and `TorchStepConfig`.
     exact_threshold: return the exact kept threshold (processed logprobs need it).
     in_place: False for the caller's own logits: nothing is written, values are divided by T where
         they are read (bit for bit the in-place division); needs a finite max and no exact_threshold.
@@ -191,7 +191,7 @@ def _kept_only(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
            list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
-           scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT, compiled: bool = False
+           scale: torch.Tensor | None = None, config: TorchStepConfig = DEFAULT, compiled: bool = False
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tau, found): tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the
     unsorted candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own
@@ -322,7 +322,7 @@ def _dense_route(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, cols
 
 def _histogram_rows(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, bound: torch.Tensor | None,
                     rows_mask: torch.Tensor, top_p: torch.Tensor | None = None,
-                    config: NativeConfig = DEFAULT) -> torch.Tensor:
+                    config: TorchStepConfig = DEFAULT) -> torch.Tensor:
     """tau with the rows of `rows_mask` raised to their top-p threshold found by histogram (bound
     None: top_p times the mass the histogram pass sums)."""
     if not bool(rows_mask.any()):

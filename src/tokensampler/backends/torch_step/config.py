@@ -1,8 +1,8 @@
-"""`NativeConfig`: the tunables of the torch step (routes, block sizes, caps), validated and frozen.
+"""`TorchStepConfig`: the tunables of the torch step (routes, block sizes, caps), validated and frozen.
 
 The defaults are what the bench measured fastest on a 2-core AVX2 machine within the memory bound
 of one float32 logits buffer (docs/cpu-fast-path.md). Every value changes only speed and memory,
-never a token: tests set extreme values to force each route (`Sampler(native_config=...)`).
+never a token: tests set extreme values to force each route (`Sampler(step_config=...)`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from ...core.errors import InvalidSamplingParams
 
 
 @dataclass(frozen=True)
-class NativeConfig:
+class TorchStepConfig:
     """Routes and sizes of the torch step.
 
     direct_route: float32 batches with nothing to remove or add before temperature (except
@@ -51,17 +51,17 @@ class NativeConfig:
     dense_proxy_column: int = 1
 
     def __post_init__(self) -> None:
-        check_bool("NativeConfig.direct_route", self.direct_route)
+        check_bool("TorchStepConfig.direct_route", self.direct_route)
         for name in ("block_elements", "masked_block_elements", "top_p_head", "top_p_head_chunks", "column_chunk",
                      "histogram_bins", "dense_block", "dense_sample_stride"):
-            check_int(f"NativeConfig.{name}", getattr(self, name), 1)
+            check_int(f"TorchStepConfig.{name}", getattr(self, name), 1)
         for name in ("candidate_cap", "dense_bracket_cap"):
-            check_int(f"NativeConfig.{name}", getattr(self, name), 0)
+            check_int(f"TorchStepConfig.{name}", getattr(self, name), 0)
         offsets = self.dense_threshold_offsets
         if not isinstance(offsets, tuple) or not offsets or any(isinstance(o, bool) or not isinstance(o, int)
                                                                   for o in offsets):
-            raise InvalidSamplingParams("NativeConfig.dense_threshold_offsets", offsets, "a non-empty tuple of ints")
-        check_int("NativeConfig.dense_proxy_column", self.dense_proxy_column, 0, self.dense_thresholds - 1)
+            raise InvalidSamplingParams("TorchStepConfig.dense_threshold_offsets", offsets, "a non-empty tuple of ints")
+        check_int("TorchStepConfig.dense_proxy_column", self.dense_proxy_column, 0, self.dense_thresholds - 1)
 
     @property
     def dense_thresholds(self) -> int:
@@ -69,4 +69,4 @@ class NativeConfig:
         return len(self.dense_threshold_offsets) + 2
 
 
-DEFAULT = NativeConfig()
+DEFAULT = TorchStepConfig()

@@ -6,7 +6,7 @@ once (the reference's float32 values, in a reused buffer), two compiled reductio
 narrow extraction:
 
 1. **Thresholds.** A strided subsample of each row (sorted, small) estimates where the mass from
-   the top reaches `top_p * total`; `NativeConfig.dense_threshold_offsets` sample positions around that estimate,
+   the top reaches `top_p * total`; `TorchStepConfig.dense_threshold_offsets` sample positions around that estimate,
    plus +inf and the threshold so far, are candidate thresholds. One pass (`threshold_pass`) sums
    the float64 mass of p at or above every candidate at once (the last one is the total).
 2. **Bracket.** These masses are sums of the reference's p in another order, so they are within
@@ -14,7 +14,7 @@ narrow extraction:
    are found, only the ids between them are extracted, sorted and scanned with a float64
    cumulative sum. The scan is done at both ends of the error bound; rows where the answer differs
    get masses summed as `select.kept_mass` does and are scanned again. Rows whose bracket holds
-   more than `NativeConfig.dense_bracket_cap` ids use the histogram (`select.top_p_by_histogram`).
+   more than `TorchStepConfig.dense_bracket_cap` ids use the histogram (`select.top_p_by_histogram`).
 3. **Noise by a race bound.** With u = (k + 1/2) / 2^24 and m = 2^24 - 1 - k from an id's hash
    bits, `(1 - u) <= -log(u) <= (1 - u) / u`, so without any logarithm:
    - every kept id's exact score is at least `z_max + log(p u / (1 - u))` (minus rounding): the
@@ -36,7 +36,7 @@ import torch
 from ...core import rng
 from ...core.constants import NEG_INF, POS_INF
 from . import compile_cache, gumbel, select
-from .config import DEFAULT, NativeConfig
+from .config import DEFAULT, TorchStepConfig
 from .host import numpy_module
 from .indexing import column_chunks, nonzero_ids
 from .select import relative_probs
@@ -76,7 +76,7 @@ compile_cache.register("dense_threshold_pass", _threshold_pass, rows=(0, 1, 2, 3
 compile_cache.register("dense_race_pass", _race_pass, rows=(0, 1, 2, 3, 4))
 
 
-def _column_blocks(z: torch.Tensor, config: NativeConfig, compiled: bool) -> list[tuple[int, int]]:
+def _column_blocks(z: torch.Tensor, config: TorchStepConfig, compiled: bool) -> list[tuple[int, int]]:
     """(start, stop) column ranges: the whole row compiled (no temporaries), chunks when eager."""
     if compiled:
         return [(0, z.shape[1])]
@@ -84,10 +84,10 @@ def _column_blocks(z: torch.Tensor, config: NativeConfig, compiled: bool) -> lis
 
 
 def threshold_pass(p: torch.Tensor, z: torch.Tensor, thresholds: torch.Tensor, key32: torch.Tensor,
-                   floor: torch.Tensor, config: NativeConfig = DEFAULT, compiled: bool = False
+                   floor: torch.Tensor, config: TorchStepConfig = DEFAULT, compiled: bool = False
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """p: float32 [R, V] (`relative_probs`); z: float32 [R, V]; thresholds: float32 [R, J]
-    (J = `NativeConfig.dense_thresholds`); key32: int32 [R] noise keys; floor: float32 [R]. Returns (masses float64
+    (J = `TorchStepConfig.dense_thresholds`); key32: int32 [R] noise keys; floor: float32 [R]. Returns (masses float64
     [R, J]: the sum of p over z >= thresholds[:, j], within `sum_error` of any other order's sum;
     odds float32 [R]: the largest p u / (1 - u) over z >= floor, 0 if none). compiled: one
     compiled loop (the sampler's choice), else column chunks eagerly."""
@@ -101,7 +101,7 @@ def threshold_pass(p: torch.Tensor, z: torch.Tensor, thresholds: torch.Tensor, k
 
 
 def race_pass(p: torch.Tensor, z: torch.Tensor, threshold: torch.Tensor, key32: torch.Tensor,
-              scale: torch.Tensor, config: NativeConfig = DEFAULT, compiled: bool = False
+              scale: torch.Tensor, config: TorchStepConfig = DEFAULT, compiled: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(count, lowest, highest) int64 [R] of the ids with z >= threshold and (m + 1/2) <= p * scale
     (p, z float32 [R, V]; threshold, scale float32 [R]; key32 int32 [R]); lowest 2^31 - 1 and
@@ -134,7 +134,7 @@ def sum_error(masses: torch.Tensor, count: int) -> torch.Tensor:
 
 
 def candidate_thresholds(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, top_p: torch.Tensor,
-                         row_mass: torch.Tensor, config: NativeConfig = DEFAULT) -> torch.Tensor:
+                         row_mass: torch.Tensor, config: TorchStepConfig = DEFAULT) -> torch.Tensor:
     """float32 [R, `config.dense_thresholds`], non-increasing: +inf, sample values around the estimated top-p
     crossing, then `tau` (the threshold so far); all >= tau. `row_mass`: the whole row's mass
     (float64 [R], approximate is fine: it only places the candidates)."""
@@ -210,7 +210,7 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int
 
 def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau: torch.Tensor,
                  top_p: torch.Tensor, keys: torch.Tensor, row_mass: torch.Tensor | None = None,
-                 p_buffer: torch.Tensor | None = None, config: NativeConfig = DEFAULT, compiled: bool = False
+                 p_buffer: torch.Tensor | None = None, config: TorchStepConfig = DEFAULT, compiled: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 10-11 for flat rows (too many winnable ids for a candidate list).
 
@@ -250,7 +250,7 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
 
 def top_p_from_masses(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
                       top_p: torch.Tensor, thresholds: torch.Tensor, masses: torch.Tensor,
-                      config: NativeConfig = DEFAULT) -> torch.Tensor:
+                      config: TorchStepConfig = DEFAULT) -> torch.Tensor:
     """tau (float32 [R]) raised to the top-p threshold on the rows with top_p < 1: exactly the
     definition's kept set. thresholds, masses: `candidate_thresholds` and `threshold_pass`."""
     rows_mask = top_p < 1.0
@@ -281,14 +281,14 @@ def top_p_from_masses(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, tau
 
 
 def exact_masses(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, upper: torch.Tensor,
-                 config: NativeConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
+                 config: TorchStepConfig = DEFAULT) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 [R] masses of z >= tau and of z >= upper, summed as `select.kept_mass` does (the
     recheck of rows whose top-p answer changes inside the error bound)."""
     return select.kept_mass(z, z_max, tau, config=config), select.kept_mass(z, z_max, upper, config=config)
 
 
 def race_argmax(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, threshold: torch.Tensor,
-                keys: torch.Tensor, odds: torch.Tensor, config: NativeConfig = DEFAULT,
+                keys: torch.Tensor, odds: torch.Tensor, config: TorchStepConfig = DEFAULT,
                 compiled: bool = False) -> torch.Tensor:
     """The Gumbel argmax over the ids with z >= threshold (p = `select.relative_probs(z, z_max)`, z float32
     [R, V], z_max, threshold float32 [R], keys int64 [R]), given odds (float32 [R]): p u / (1 - u)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import compile_cache
-from .config import DEFAULT, NativeConfig
+from .config import DEFAULT, TorchStepConfig
 from .indexing import column_chunks
 
 # |exp_compiled(x) - exp_eager(x)| <= 2 ulp(p) <= 2^-22 p for a normal p (both within one ulp of
@@ -65,7 +65,7 @@ def _tail_eager(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale
     return total
 
 
-def winnable_count(z: torch.Tensor, floor: torch.Tensor, config: NativeConfig = DEFAULT,
+def winnable_count(z: torch.Tensor, floor: torch.Tensor, config: TorchStepConfig = DEFAULT,
                    compiled: bool = False) -> torch.Tensor:
     """z: float32 [R, V]; floor: float32 [R]. Returns int64 [R]: the ids with z >= floor.
     compiled: one compiled loop per row (the sampler's choice), else column chunks eagerly."""
@@ -75,7 +75,7 @@ def winnable_count(z: torch.Tensor, floor: torch.Tensor, config: NativeConfig = 
 
 
 def winnable_count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor,
-                            scale: torch.Tensor | None = None, config: NativeConfig = DEFAULT,
+                            scale: torch.Tensor | None = None, config: TorchStepConfig = DEFAULT,
                             compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(`winnable_count`, `tail_mass`) from one pass (compiled: one vectorised loop per row)."""
     if not compiled:
@@ -92,7 +92,7 @@ def estimated_count(z: torch.Tensor, floor: torch.Tensor, stride: int = 16) -> t
 
 
 def tail_mass(z: torch.Tensor, z_max: torch.Tensor, floor: torch.Tensor, scale: torch.Tensor | None = None,
-              config: NativeConfig = DEFAULT, compiled: bool = False) -> torch.Tensor:
+              config: TorchStepConfig = DEFAULT, compiled: bool = False) -> torch.Tensor:
     """z: float32 [R, V] (-inf = removed); z_max: float32 [R], finite; floor: float32 [R], in the
     rows' own units; scale: float32 [R] when the rows hold z * scale (undivided logits), else None.
     Returns float64 [R]: the sum of exp(z / scale - z_max) over the ids with z < floor, within

@@ -21,7 +21,7 @@ import torch
 
 from ...core import rng
 from ...core.constants import NEG_INF, POS_INF
-from .config import DEFAULT, NativeConfig
+from .config import DEFAULT, TorchStepConfig
 from .indexing import column_chunks, nonzero_ids, read_at
 from .row_stats import winnable_count
 
@@ -75,7 +75,7 @@ def head_floor(z: torch.Tensor, chunks: int, chunk: int = 64) -> torch.Tensor:
 
 def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
                       count: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                      config: NativeConfig = DEFAULT, compiled: bool = False
+                      config: TorchStepConfig = DEFAULT, compiled: bool = False
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """The candidate list: every id with z >= lower[r], without sorting the row (one count, one
     compare, one compaction).
@@ -118,7 +118,7 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
 
 
 def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor | None = None,
-              config: NativeConfig = DEFAULT) -> torch.Tensor:
+              config: TorchStepConfig = DEFAULT) -> torch.Tensor:
     """float64 [R]: the sum of the float32 p over the ids with z >= tau (column chunk by chunk).
     With `scale` (float32 [R]) the row holds z * scale: each chunk is divided first (exactly the
     values an in-place division would give)."""
@@ -156,7 +156,7 @@ def top_p_at(values: torch.Tensor, mass_ge: torch.Tensor, bound: torch.Tensor) -
 
 def top_p_by_histogram(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
                        bound: torch.Tensor | None = None, top_p: torch.Tensor | None = None,
-                       config: NativeConfig = DEFAULT) -> torch.Tensor:
+                       config: TorchStepConfig = DEFAULT) -> torch.Tensor:
     """tau_p for rows whose crossing point lies deep in the row (flat logits).
 
     Bins of equal width in z over [low, z_max], low = max(tau, z_max - 64) (p < e^-64 below it);

@@ -37,7 +37,7 @@ from ...core.params import SamplingParams
 from ...core.plan import EDIT_STAGES, has_penalties
 from ...state import SamplerState
 from . import candidates, masking, penalties
-from .config import DEFAULT, NativeConfig
+from .config import DEFAULT, TorchStepConfig
 from .indexing import read_at, write_at
 
 Cells = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row index int64 [H], column int64 [H], value float32 [H])
@@ -201,7 +201,7 @@ def restore_cells(z: torch.Tensor, undo: list[Cells]) -> None:
 
 # ------------------------------------------------------------------ steps 7-11: the filters
 def filter_columns(state: SamplerState, slots: torch.Tensor, params: Sequence[SamplingParams],
-                   config: NativeConfig = DEFAULT,
+                   config: TorchStepConfig = DEFAULT,
                    dense_buffer: Callable[[int], torch.Tensor] | None = None,
                    compiled: bool = False) -> candidates.RowColumns:
     """The parameter columns of sampled rows (slots int64 [R], their params) for `filter_and_draw`:

@@ -2,7 +2,7 @@
 
 Float32 batches that need no edit before temperature except penalties run on the caller's logits
 (the direct route: values divided where read, penalties written at the seen ids and restored).
-Others, and flat rows, are cut into row blocks of about `NativeConfig.block_elements` logits, each copied once
+Others, and flat rows, are cut into row blocks of about `TorchStepConfig.block_elements` logits, each copied once
 into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
 
 1. float32 logits, padding and NaN removed                     `stages.clean_logits`
@@ -17,7 +17,7 @@ into a reused float32 workspace and finished while it is in cache (docs/cpu-fast
 13. the history update                                         `SamplerState.record_tokens`
 
 On a CPU the step reads small per-row results back to choose routes (documented in
-docs/cpu-fast-path.md). The routes and sizes are a `NativeConfig`.
+docs/cpu-fast-path.md). The routes and sizes are a `TorchStepConfig`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ...core.plan import StepPlan
 from ...state import SamplerState
 from . import logprobs, masking, stages
 from .argmax import block_maxima, first_argmax
-from .config import DEFAULT, NativeConfig
+from .config import DEFAULT, TorchStepConfig
 
 
 class TorchStep:
@@ -39,7 +39,7 @@ class TorchStep:
 
     capturable = False  # reads small per-row results back to the host to choose routes
 
-    def __init__(self, state: SamplerState, logprobs_mode: str, config: NativeConfig | None = None,
+    def __init__(self, state: SamplerState, logprobs_mode: str, config: TorchStepConfig | None = None,
                  compiled: bool = False) -> None:
         self.state = state
         self.compiled = compiled  # the full-row passes through the compile cache (the sampler's choice)

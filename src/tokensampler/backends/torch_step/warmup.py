@@ -19,7 +19,7 @@ import torch
 from ...core.params import SamplingParams
 from ...core.plan import plan_step
 from ...state import SamplerState, VocabLayout
-from .config import NativeConfig
+from .config import TorchStepConfig
 from .step import TorchStep
 
 MIXES: dict[str, tuple[str, dict] | tuple[str, dict, dict]] = {  # name: (row shape, parameters[, second row's])
@@ -74,7 +74,7 @@ def _inputs(shape: str, vocab: int, padded: int, generator: torch.Generator) -> 
     return [rows, wider, rows.to(torch.bfloat16)]
 
 
-def _run_mixes(vocab: int, padded: int, logprobs_mode: str, config: NativeConfig | None,
+def _run_mixes(vocab: int, padded: int, logprobs_mode: str, config: TorchStepConfig | None,
                device: torch.device) -> int:
     """Every mix of `MIXES` on every input layout of `_inputs`, through a scratch two-slot torch
     step of this width. Returns the number of steps run."""
@@ -94,7 +94,7 @@ def _run_mixes(vocab: int, padded: int, logprobs_mode: str, config: NativeConfig
     return steps
 
 
-def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: NativeConfig | None = None,
+def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: TorchStepConfig | None = None,
          device: torch.device | str = "cpu") -> dict:
     """Run every mix of `MIXES` through a scratch torch step with this sampler's logprobs mode and
     config, on each input layout of `_inputs`. The compiled functions are generic in the batch size
