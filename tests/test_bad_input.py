@@ -563,6 +563,12 @@ def test_load_generation_defaults(checkpoints, data):
         assert_normal_params(SamplingParams(**defaults.sampling()))
 
 
+def test_an_override_key_that_is_not_a_string_is_named_as_text(checkpoints):
+    """Found by the property test above: a mapping override with key 0 raised with field 0 (an int)."""
+    _, error = attempt(lambda: load_generation_defaults(checkpoints["good"], "auto", {0: None}))
+    assert error is not None and error.field == "0"
+
+
 @pytest.mark.parametrize("model_dir, mode", [(None, "auto"), (5, "auto"), (b"x", "auto"), ("", "auto"),
                                              ("binary", "auto"), ("good", "binary"), ("good", None)])
 def test_load_generation_defaults_examples(checkpoints, model_dir, mode):

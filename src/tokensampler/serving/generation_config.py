@@ -138,8 +138,8 @@ def _check_override(override: Mapping[str, Any] | str | None) -> dict[str, Any]:
     if not isinstance(override, Mapping):
         raise InvalidCheckpoint(source, "<json>", override, "a JSON object")
     for key in override:
-        if key not in FILE_SAMPLING_KEYS:
-            raise InvalidCheckpoint(source, key, override[key], f"one of {sorted(FILE_SAMPLING_KEYS)}")
+        if key not in FILE_SAMPLING_KEYS:  # a JSON object's keys are strings; a mapping's may not be
+            raise InvalidCheckpoint(source, str(key), override[key], f"one of {sorted(FILE_SAMPLING_KEYS)}")
     return dict(override)
 
 

@@ -14,8 +14,8 @@ Admission (`add_request`) and the slot-state methods the engine contract uses (`
 this rank's vocabulary layout (`state.VocabLayout`). The `SamplerState` is the one owner of every
 slot's state (parameters, seed, stream, position, history); nothing outside this module and
 `state/` touches it: slots are described by `seed_of`, `position_of`, `stream_of`, `params_of`,
-`seed_drawn` and `positions_of`, and a step is planned from `plan_rows`. `sample(...)` is the
-stateless one-call form.
+`seed_drawn` and `positions_of`, and a step is planned from `plan_rows`. The checks that read no
+slot state are `sampler.checks`; `sample(...)` (`sampler.stateless`) is the stateless one-call form.
 """
 
 from __future__ import annotations
@@ -24,19 +24,37 @@ from typing import Any, Sequence
 
 import torch
 
-from .backends import BackendChoice, Backends
-from .backends.torch_step.config import TorchStepConfig
-from .backends.triton.config import KernelConfig
-from .core import rng
-from .core.checks import as_list, check_choice, check_device, check_int, check_logits, check_token_ids, int_list, is_int
-from .core.constants import INT64_MIN, LOGITS_DTYPES, LOGPROBS_MODES, POSITION_LIMIT, UINT64_MAX
-from .core.errors import InvalidSamplingParams, SplitMismatch, UnsupportedOnSplit
-from .core.output import SamplerOutput, SpeculativeOutput
-from .core.params import SamplingParams, check_params_for_vocab
-from .core.plan import StepPlan, plan_step
-from .parallel.agreement import Agreement, fingerprint, params_key
-from .speculative import SPECULATIVE_MODES, STREAM_LIMIT, verify_match, verify_rejection
-from .state import SamplerState, SlotRecord, VocabLayout
+from ..backends import BackendChoice, Backends
+from ..backends.torch_step.config import TorchStepConfig
+from ..backends.triton.config import KernelConfig
+from ..core import rng
+from ..core.checks import (
+    check_choice,
+    check_device,
+    check_int,
+    check_logits,
+    check_token_ids,
+    int_list,
+    is_int,
+)
+from ..core.constants import LOGPROBS_MODES
+from ..core.errors import InvalidSamplingParams, SplitMismatch
+from ..core.output import SamplerOutput, SpeculativeOutput
+from ..core.params import SamplingParams, check_params_for_vocab
+from ..core.plan import StepPlan, plan_step
+from ..parallel.agreement import Agreement, fingerprint, params_key
+from ..speculative import STREAM_LIMIT, verify_match, verify_rejection
+from ..state import SamplerState, SlotRecord, VocabLayout
+from .checks import (
+    check_advance,
+    check_bitmask,
+    check_history,
+    check_moves,
+    check_noise,
+    check_record,
+    check_request,
+    check_speculative,
+)
 
 
 class Sampler:
@@ -117,7 +135,8 @@ class Sampler:
         (on a split, rank 0's, shared in the same all-gather as the checks).
         """
         def check() -> tuple[list[int], list[int], int]:
-            return self._check_request(slot, params, prompt_token_ids, output_token_ids, position, stream)
+            return check_request(slot, params, prompt_token_ids, output_token_ids, position, stream,
+                                 self._check_slot, self.vocab_size, self.max_logprobs)
 
         (prompt, outputs, position), (drawn,) = self.agreement.check_sharing(
             "params", check, share=[rng.fresh_seed()], key=(slot, params, stream))
@@ -125,22 +144,6 @@ class Sampler:
         self.state.admit(slot, params, seed, position, stream, prompt, outputs, self.eos_token_ids,
                          drawn=params.seed is None)
         return seed
-
-    def _check_request(self, slot: int, params: SamplingParams, prompt_token_ids: Sequence[int],
-                       output_token_ids: Sequence[int], position: int | None,
-                       stream: int) -> tuple[list[int], list[int], int]:
-        """`add_request`'s checks (no state change): returns (prompt, outputs, position)."""
-        self._check_slot(slot)
-        if not isinstance(params, SamplingParams):
-            raise InvalidSamplingParams("params", params, "a SamplingParams")
-        check_params_for_vocab(params, self.vocab_size, self.max_logprobs)
-        prompt = self._token_list("prompt_token_ids", prompt_token_ids)
-        outputs = self._token_list("output_token_ids", output_token_ids)
-        if position is None:
-            position = len(prompt) + len(outputs)
-        check_int("position", position, 0, POSITION_LIMIT - 1, allowed="an int in [0, 2^32)")
-        check_int("stream", stream, 0, POSITION_LIMIT - 1, allowed="an int in [0, 2^32)")
-        return prompt, outputs, position
 
     def set_params(self, slot: int, params: SamplingParams) -> None:
         """Replace the parameters of an occupied `slot`, keeping its seed, position and history.
@@ -168,46 +171,24 @@ class Sampler:
         position. drawn: per slot, whether the seed was drawn for an unseeded request
         (`seed_drawn`; default False)."""
         slots, seeds, positions, streams, drawn = self.agreement.check(
-            "seeds/positions/streams", lambda: self._check_noise(slots, seeds, positions, streams, drawn))
+            "seeds/positions/streams",
+            lambda: check_noise(slots, seeds, positions, streams, drawn, self._check_occupied))
         self.state.set_noise(slots, seeds, positions, streams, drawn)
 
     def advance(self, slots: Sequence[int], counts: Sequence[int]) -> None:
         """Advance the position of occupied `slots[i]` by `counts[i]` without sampling (tokens an
         engine sampled itself, on the host, with `seed_of` / `position_of` / `stream_of`): as many
         positions as `counts[i]` recorded steps. Checked first (one read of the positions)."""
-        def check() -> tuple[list[int], list[int]]:
-            slot_list, count_list = int_list("slots", slots), int_list("counts", counts)
-            if len(count_list) != len(slot_list):
-                raise InvalidSamplingParams("counts", f"{len(count_list)} counts", f"one per slot ({len(slot_list)})")
-            for slot in slot_list:
-                self._check_occupied(slot)
-            if len(set(slot_list)) != len(slot_list):
-                raise InvalidSamplingParams("slots", slot_list, "distinct slots")
-            for count in count_list:
-                check_int("counts", count, 0, allowed="an int >= 0")
-            for slot, position, count in zip(slot_list, self.state.positions(slot_list), count_list):
-                if position + count >= POSITION_LIMIT:
-                    raise InvalidSamplingParams("position", position + count, f"below {POSITION_LIMIT}")
-            return slot_list, count_list
-
-        slot_list, count_list = self.agreement.check("advance", check)
+        slot_list, count_list = self.agreement.check(
+            "advance", lambda: check_advance(slots, counts, self._check_occupied, self.state.positions))
         self.state.advance(slot_list, count_list)
 
     def move_slots(self, dst_slots: Sequence[int], src_slots: Sequence[int]) -> None:
         """The state of `src_slots[i]` (parameters, seed, stream, position, history) goes to
         `dst_slots[i]`, for all i at once (a gather, then a scatter: continuous batching's remap).
         A source that is not a destination keeps its state; distinct destinations."""
-        def check() -> tuple[list[int], list[int]]:
-            dst, src = int_list("dst_slots", dst_slots), int_list("src_slots", src_slots)
-            if len(dst) != len(src):
-                raise InvalidSamplingParams("src_slots", f"{len(src)} slots", f"one per destination ({len(dst)})")
-            for slot in dst + src:
-                self._check_slot(slot)
-            if len(set(dst)) != len(dst):
-                raise InvalidSamplingParams("dst_slots", dst, "distinct slots")
-            return dst, src
-
-        dst, src = self.agreement.check("move_slots", check)
+        dst, src = self.agreement.check(
+            "move_slots", lambda: check_moves(dst_slots, src_slots, self._check_slot))
         if dst:
             self.state.move(dst, src)
 
@@ -220,58 +201,9 @@ class Sampler:
         (and the output length that min_tokens counts).
         """
         index, prompt, output = self.agreement.check(
-            "token histories", lambda: self._check_history(slots, prompt_token_ids, output_token_ids))
+            "token histories", lambda: check_history(slots, prompt_token_ids, output_token_ids,
+                                                         self._check_occupied, self.device, self.vocab_size))
         self.state.rebuild_history(index, prompt, output)
-
-    def _check_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
-                     streams: Sequence[int], drawn: Sequence[bool] | None
-                     ) -> tuple[list[int], list, list, list[int], list[bool]]:
-        """The checked (slots, seeds, positions, streams, drawn) of `set_noise`, as lists."""
-        slots, streams = int_list("slots", slots), int_list("streams", streams)
-        seeds = as_list("seeds", seeds, "a sequence of seeds (ints, or None)")
-        positions = as_list("positions", positions, "a sequence of positions (ints, or None)")
-        drawn = [False] * len(slots) if drawn is None else as_list("drawn", drawn, "a sequence of bools")
-        for slot in slots:
-            self._check_occupied(slot)
-        if len(set(slots)) != len(slots):
-            raise InvalidSamplingParams("slots", slots, "distinct slots")
-        if not len(slots) == len(seeds) == len(positions) == len(streams) == len(drawn):
-            raise InvalidSamplingParams("seeds/positions/streams", (len(seeds), len(positions), len(streams)),
-                                        f"one entry per slot ({len(slots)})")
-        for name, values, low, high in (("seed", seeds, INT64_MIN, UINT64_MAX),
-                                        ("position", positions, 0, POSITION_LIMIT - 1),
-                                        ("stream", streams, 0, POSITION_LIMIT - 1)):
-            for value in values:
-                if value is not None or name == "stream":
-                    check_int(name, value, low, high)
-        for value in drawn:
-            if not isinstance(value, bool):
-                raise InvalidSamplingParams("drawn", value, "True or False")
-        return slots, [None if s is None else int(s) for s in seeds], \
-            [None if p is None else int(p) for p in positions], streams, drawn
-
-    def _check_history(self, slots: Sequence[int], prompt_token_ids: torch.Tensor | None,
-                       output_token_ids: torch.Tensor | None
-                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(slot index, prompt ids, output ids) of `reset_history`: int64 on the device, global ids."""
-        slots = int_list("slots", slots)
-        for slot in slots:
-            self._check_occupied(slot)
-        tensors = []
-        for name, ids in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
-            if ids is not None:
-                if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] != len(slots) \
-                        or ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool \
-                        or ids.device.type == "meta":
-                    raise InvalidSamplingParams(name, getattr(ids, "shape", ids),
-                                                f"an integer tensor [{len(slots)}, S] (-1 = padding) that holds data")
-                ids = ids.to(device=self.device, dtype=torch.int64)
-                if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= self.vocab_size):
-                    raise InvalidSamplingParams(name, (int(ids.min()), int(ids.max())),
-                                                f"token ids in [0, {self.vocab_size}) or -1 (padding)")
-            tensors.append(ids)
-        index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
-        return index, tensors[0], tensors[1]
 
     def remove_request(self, slot: int) -> None:
         """Free `slot`; sampling it again needs a new `add_request`."""
@@ -388,8 +320,9 @@ class Sampler:
         num_emitted. Every check (shapes, dtypes, draft ids in [-1, vocab_size), the mode) is done
         before any state changes; rejection mode on a vocabulary split raises `UnsupportedOnSplit`.
         """
-        mode, drafts = self.agreement.check("sample_speculative", lambda: self._check_speculative(
-            target_logits, draft_token_ids, draft_probs, mode, token_bitmask))
+        mode, drafts = self.agreement.check("sample_speculative", lambda: check_speculative(
+            self.layout, self.device, self.vocab_size, target_logits, draft_token_ids, draft_probs, mode,
+            token_bitmask))
         plan = self._check_step(target_logits[:, 0], slots, record,
                                 None if token_bitmask is None else token_bitmask[:, 0])
         positions = target_logits.shape[1]
@@ -404,61 +337,6 @@ class Sampler:
             raise InvalidSamplingParams("stream", stream, "streams below 2^30 in mode='rejection' (streams "
                                         "from 2^30 up are the reserved noise streams of the verification)")
         return verify_rejection(self.backends, target_logits, drafts, draft_probs, plan, record, token_bitmask)
-
-    def _check_speculative(self, target_logits: Any, draft_token_ids: Any, draft_probs: Any,
-                           mode: Any, token_bitmask: Any = None) -> tuple[str, torch.Tensor]:
-        """`sample_speculative`'s own checks (no state change): (mode, drafts as int64 on the device)."""
-        layout = self.layout
-        width = layout.columns
-        what = " (this rank's slice)" if layout.split else ""
-        if mode is None:
-            mode = "match" if draft_probs is None else "rejection"
-        check_choice("mode", mode, SPECULATIVE_MODES, f"None or one of {SPECULATIVE_MODES}")
-        if mode == "rejection" and layout.split:
-            raise UnsupportedOnSplit("mode", "rejection", "mode='match' on a vocabulary split (rejection needs "
-                                     "each row's whole filtered distribution on one rank)")
-        if not isinstance(target_logits, torch.Tensor) or target_logits.dim() != 3 or target_logits.shape[1] < 1:
-            raise InvalidSamplingParams("target_logits", getattr(target_logits, "shape", target_logits),
-                                        f"a 3-d tensor [B, K+1, {width}]{what}, K >= 0")
-        batch, positions, columns = target_logits.shape
-        if columns != width:
-            raise InvalidSamplingParams("target_logits.shape[2]", columns, f"the padded vocabulary size {width}{what}")
-        if target_logits.dtype not in LOGITS_DTYPES:
-            raise InvalidSamplingParams("target_logits.dtype", target_logits.dtype, "float32, float16 or bfloat16")
-        if target_logits.device != self.device and not (target_logits.device.type == self.device.type == "cuda"):
-            raise InvalidSamplingParams("target_logits.device", target_logits.device,
-                                        f"the sampler's device {self.device}")
-        drafts_shape = (batch, positions - 1)
-        ids = draft_token_ids
-        if not isinstance(ids, torch.Tensor) or tuple(ids.shape) != drafts_shape or ids.dtype.is_floating_point \
-                or ids.dtype.is_complex or ids.dtype == torch.bool or ids.device.type == "meta":
-            raise InvalidSamplingParams("draft_token_ids", getattr(ids, "shape", ids),
-                                        f"an integer tensor of shape {drafts_shape} (-1 = no draft)")
-        drafts = ids.to(device=self.device, dtype=torch.int64)
-        if drafts.numel():
-            low, high = torch.stack([drafts.min(), drafts.max()]).tolist()
-            if low < -1 or high >= self.vocab_size:
-                raise InvalidSamplingParams("draft_token_ids", low if low < -1 else high,
-                                            f"token ids in [0, {self.vocab_size}), or -1 (no draft from there on)")
-        if draft_probs is not None:
-            if mode == "match":
-                raise InvalidSamplingParams("draft_probs", "a tensor", "None in mode='match' (it compares tokens)")
-            probs_shape = (batch, positions - 1, width)
-            if not isinstance(draft_probs, torch.Tensor) or tuple(draft_probs.shape) != probs_shape \
-                    or draft_probs.dtype not in LOGITS_DTYPES + (torch.float64,):
-                raise InvalidSamplingParams("draft_probs", getattr(draft_probs, "shape", draft_probs),
-                                            f"None or a float16/bfloat16/float32/float64 tensor of shape {probs_shape}")
-            if draft_probs.device != target_logits.device:
-                raise InvalidSamplingParams("draft_probs.device", draft_probs.device,
-                                            f"the device of target_logits ({target_logits.device})")
-        if token_bitmask is not None:
-            if not isinstance(token_bitmask, torch.Tensor) or token_bitmask.dim() != 3 \
-                    or tuple(token_bitmask.shape[:2]) != (batch, positions):
-                raise InvalidSamplingParams("token_bitmask", getattr(token_bitmask, "shape", token_bitmask),
-                                            f"None or an int32 tensor [{batch}, {positions}, W] (one mask per "
-                                            "position)")
-            self._check_bitmask(token_bitmask[:, 0], target_logits[:, 0])
-        return mode, drafts
 
     @property
     def workspace_bytes(self) -> int:
@@ -488,8 +366,8 @@ class Sampler:
                 check_logits(logits, layout.columns, self.device)
                 reused = self._reusable_plan(slots, batch)
                 slot_list = list(reused.slots) if reused is not None else self._check_slots(slots, batch)
-                self._check_record(record, len(slot_list))
-                self._check_bitmask(token_bitmask, logits)
+                check_record(record, len(slot_list))
+                check_bitmask(token_bitmask, logits, self.vocab_size)
                 recorded = None if record is None or not shared else record.tolist()
         except Exception as exc:  # noqa: BLE001 - re-raised by the agreement, so no rank is left waiting
             if not shared:
@@ -549,29 +427,6 @@ class Sampler:
             self._row_keys[id(params)] = cached
         return fingerprint(slot, cached[1], self.state.seeds[slot])
 
-    def _check_bitmask(self, token_bitmask: Any, logits: torch.Tensor) -> None:
-        """None, or an int32 [B, W >= ceil(V / 32)] tensor on the logits' device."""
-        if token_bitmask is None:
-            return
-        batch, words = logits.shape[0], -(-self.vocab_size // 32)
-        if not isinstance(token_bitmask, torch.Tensor):
-            raise InvalidSamplingParams("token_bitmask", type(token_bitmask).__name__,
-                                        f"None or an int32 tensor [{batch}, >= {words}]")
-        if token_bitmask.dtype != torch.int32:
-            raise InvalidSamplingParams("token_bitmask.dtype", token_bitmask.dtype, "torch.int32 (xgrammar's layout)")
-        if token_bitmask.dim() != 2 or token_bitmask.shape[0] != batch or token_bitmask.shape[1] < words:
-            raise InvalidSamplingParams("token_bitmask.shape", tuple(token_bitmask.shape),
-                                        f"[{batch}, W] with W >= ceil(vocab_size / 32) = {words}")
-        if token_bitmask.device != logits.device:
-            raise InvalidSamplingParams("token_bitmask.device", token_bitmask.device,
-                                        f"the logits' device {logits.device}")
-
-    def _check_record(self, record: torch.Tensor | None, batch: int) -> None:
-        if record is not None and (not isinstance(record, torch.Tensor) or record.dtype != torch.bool
-                                   or tuple(record.shape) != (batch,)):
-            raise InvalidSamplingParams("record", getattr(record, "shape", record),
-                                        f"None or a bool tensor of shape ({batch},)")
-
     def _check_slot(self, slot: int) -> None:
         check_int("slot", slot, 0, self.max_slots - 1, allowed=f"an int in [0, {self.max_slots})")
 
@@ -588,58 +443,3 @@ class Sampler:
         self._check_slot(slot)
         if self.state.params[slot] is None:
             raise InvalidSamplingParams("slot", slot, "a slot holding a request (add_request first)")
-
-    def _token_list(self, name: str, ids: Sequence[int] | torch.Tensor) -> list[int]:
-        out = int_list(name, ids)
-        check_token_ids(name, out, self.vocab_size)
-        return out
-
-
-def _per_row(name: str, value: Any, batch: int) -> list:
-    if value is None:
-        return [()] * batch
-    rows = as_list(name, value, f"None or a sequence with one entry per logits row ({batch})")
-    if len(rows) != batch:
-        raise InvalidSamplingParams(name, f"{len(rows)} rows", f"one entry per logits row ({batch})")
-    return rows
-
-
-def sample(logits: torch.Tensor, params: SamplingParams | Sequence[SamplingParams], *,
-           prompt_token_ids: Sequence[Sequence[int]] | None = None,
-           output_token_ids: Sequence[Sequence[int]] | None = None,
-           positions: Sequence[int] | None = None, vocab_size: int | None = None,
-           logprobs_mode: str = "raw_logprobs", eos_token_ids: Sequence[int] = (),
-           token_bitmask: torch.Tensor | None = None, backend: str | None = None,
-           compile: bool | None = None) -> SamplerOutput:
-    """Sample one token per row of `logits` ([B, Vp]) with no state kept between calls: equal to a
-    fresh `Sampler` holding the rows.
-
-    params: one `SamplingParams` for every row, or a list with one per row.
-    prompt_token_ids, output_token_ids: per-row histories (for penalties and min_tokens).
-    positions: per-row position of the token sampled (default: prompt + output length).
-    vocab_size: the real vocabulary (default Vp: no padding).
-    Unseeded rows draw a fresh seed, as `Sampler.add_request` does.
-    token_bitmask: optional int32 [B, W >= ceil(V / 32)] (xgrammar's layout), as in `Sampler.sample`.
-    backend, compile: the step's backend and torch.compile choice, as in `Sampler` (None: the
-    environment's defaults).
-    """
-    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
-        raise InvalidSamplingParams("logits", getattr(logits, "shape", logits), "a 2-d tensor [B, Vp]")
-    batch, padded = logits.shape
-    if isinstance(params, SamplingParams):
-        rows = [params] * batch
-    else:
-        allowed = f"a SamplingParams, or a sequence of them with one per logits row ({batch})"
-        rows = as_list("params", params, allowed)
-        if len(rows) != batch or not all(isinstance(p, SamplingParams) for p in rows):
-            raise InvalidSamplingParams("params", params, allowed)
-    prompts = _per_row("prompt_token_ids", prompt_token_ids, batch)
-    outputs = _per_row("output_token_ids", output_token_ids, batch)
-    pos = [None] * batch if positions is None else _per_row("positions", positions, batch)
-    sampler = Sampler(padded if vocab_size is None else vocab_size, max_slots=max(batch, 1),
-                      device=logits.device, padded_vocab_size=padded, logprobs_mode=logprobs_mode,
-                      max_logprobs=max([p.logprobs or 0 for p in rows] + [20]), eos_token_ids=eos_token_ids,
-                      backend=backend, compile=compile)
-    for b in range(batch):
-        sampler.add_request(b, rows[b], prompts[b], output_token_ids=outputs[b], position=pos[b])
-    return sampler.sample(logits, token_bitmask=token_bitmask)
