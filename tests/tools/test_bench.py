@@ -106,3 +106,45 @@ def test_readme_usage_example_runs():
     exec(compile(code, "README.md", "exec"), namespace)
     out = namespace["out"]
     assert out.token_ids.shape == (2,) and bool(out.valid.all())
+
+
+def test_llama_cpp_cases_are_the_issue_cases():
+    """`--against llama.cpp`: B=1 at V = 49,152, 151,936 and 248,320; llama.cpp's default chain, and
+    top-k 20 + top-p 0.95."""
+    cases = bench.workloads.LLAMA_CPP_CASES
+    assert [(c.batch, c.vocab) for c in cases] == [(1, v) for v in (49152, 151936, 248320)] * 2
+    default = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
+    assert {c.name: c.params for c in cases} == {
+        **{f"llama_default_V{v}k": default for v in (49, 151, 248)},
+        **{f"k20_p0.95_V{v}k": {"temperature": 1.0, "top_k": 20, "top_p": 0.95} for v in (49, 151, 248)}}
+    assert not {c.name for c in cases} & {c.name for c in bench.WORKLOAD_MATRIX}
+
+
+SMALL_PEER = (bench.BenchCase("small_default", 1, 3000,
+                              {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}),)
+
+
+def test_against_llama_cpp_adds_its_column_when_importable(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (docs/llama-cpp.md)")
+    path = tmp_path / "peer.json"
+    (result,) = bench.run_bench(matrix=SMALL_PEER, rounds=2, json_path=str(path), log=io.StringIO(),
+                                against="llama.cpp")
+    assert set(result["median_ms"]) == {"floor", "sort_pipeline", "tokensampler", "llama.cpp", "llama.cpp_copy"}
+    assert result["reference_rows_equal"] == result["rows"] == 1
+    assert "| llama.cpp ms | llama.cpp / ts |" in bench.format_table([result])
+    peer = json.loads(path.read_text())["peer"]
+    assert peer["name"] == "llama.cpp" and peer["version"] and peer["note"] is None and "copied" in peer["step"]
+
+
+def test_against_llama_cpp_is_omitted_with_a_note_when_not_importable(monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "llama_cpp", None)  # `import llama_cpp` raises ImportError
+    log = io.StringIO()
+    (result,) = bench.run_bench(matrix=SMALL_PEER, rounds=1, log=log, against="llama.cpp")
+    assert "llama.cpp" not in result["median_ms"] and "llama.cpp ms" not in bench.format_table([result])
+    (note,) = [line for line in log.getvalue().splitlines() if "llama.cpp column omitted" in line]
+    assert "llama_cpp is not importable" in note and "docs/llama-cpp.md" in note
+
+
+def test_llama_cpp_case_names_are_known_only_with_against_llama_cpp():
+    with pytest.raises(ValueError, match="not in the workload matrix"):
+        bench.run_bench(cases=["llama_default_V49k"], log=io.StringIO())

@@ -39,6 +39,10 @@ BENCH = {
                        ["--device", "nonsense"]),
     "speculative flag with a plain case": (["bench", "--speculative", "--case", "greedy", "--quick", "--json", "OUT"],
                                            ["--case", "speculative_match"]),
+    "llama.cpp case without --against llama.cpp": (
+        ["bench", "--case", "llama_default_V49k", "--quick", "--json", "OUT"], ["--case", "llama_default_V49k"]),
+    "against llama.cpp with world": (["bench", "--against", "llama.cpp", "--world", "2", "--quick", "--json", "OUT"],
+                                     ["--against", "llama.cpp"]),
     "rounds not an int": (["bench", "--rounds", "x", "--case", "greedy", "--json", "OUT"], ["--rounds", "'x'"]),
 }
 if NO_CUDA:

@@ -2,11 +2,12 @@
 
 Per case, arms run in alternating rounds on the same logits tensor: the single-pass floor
 (`logits.amax(-1)`), the plain sort-based torch pipeline most engines ship (sort, softmax, cumsum,
-multinomial), and tokensampler's `Sampler.sample`. Medians over the rounds; ratios within one run
-are what to compare (these machines are shared and noisy). Before timing, the sampler's tokens on
-the case's first step are compared with `reference.py`, token for token, and the sampler warms up
-(`Sampler.warmup`): the rounds time the steady state, and the warm-up's seconds are reported apart
-(per case, and for the whole run under "compile").
+multinomial), and tokensampler's `Sampler.sample` (and, with `--against`, a peer's own sampler: vLLM's,
+bench_vllm.py, or llama.cpp's chain, bench_llama_cpp.py, imported only then). Medians over the rounds;
+ratios within one run are what to compare (these machines are shared and noisy). Before timing, the
+sampler's tokens on the case's first step are compared with `reference.py`, token for token, and the
+sampler warms up (`Sampler.warmup`): the rounds time the steady state, and the warm-up's seconds are
+reported apart (per case, and for the whole run under "compile").
 """
 
 from __future__ import annotations
@@ -24,12 +25,42 @@ from ..backends.choice import BackendChoice
 from ..backends.torch_step import compile_cache
 from ..reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 from ..sampler import Sampler
-from . import bench_vllm
+from . import bench_vllm, workloads
 from .bench_memory import step_memory_report
 from .machine import machine_info
 from .workloads import OUTPUT_LEN, WORKLOAD_MATRIX, BenchCase, make_bitmask, make_histories, make_logits
 
 QUICK_CHECK_ROWS = 4  # --quick checks this many rows per case against the reference (all otherwise)
+PEERS = {"vllm": "vLLM", "llama.cpp": "llama.cpp"}  # --against NAME: the arm's name and its column's
+PEER_STEP = {  # what one timed call of the peer's arm does (recorded in the JSON)
+    "vllm": "one Sampler.forward; the copy of the logits into its input buffer is untimed",
+    "llama.cpp": "per row, the logits copied into a llama_token_data_array (ids, logits, p = 0) and the chain "
+                 "applied (llama_sampler_apply, ending with dist): timed together; llama.cpp_copy times the copy "
+                 "alone",
+}
+
+
+def peer_unavailable(against: str | None) -> str | None:
+    """None if the peer's sampler can run here, else the one-line note that replaces its column."""
+    if against == "vllm":
+        return bench_vllm.why_unavailable()
+    if against == "llama.cpp":
+        try:
+            from . import bench_llama_cpp  # needs numpy, which tokensampler does not
+        except ImportError as exc:
+            return f"llama.cpp column omitted: {type(exc).__name__}: {exc}"
+        return bench_llama_cpp.why_unavailable()
+    return None
+
+
+def peer_version(against: str | None) -> str | None:
+    if against == "vllm":
+        return bench_vllm.vllm_version()
+    if against == "llama.cpp" and peer_unavailable(against) is None:
+        from . import bench_llama_cpp
+        return bench_llama_cpp.llama_cpp_version()
+    return None
+
 
 def build_sampler(case: BenchCase, device: torch.device | str, prompts, outputs, backend: str | None = None,
                   compile: bool | None = None) -> Sampler:
@@ -144,6 +175,9 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
         peer = bench_vllm.vllm_arm(case, logits, prompts, outputs)
         if peer is not None:
             arms["vllm"] = peer
+    if against == "llama.cpp" and device.type == "cpu" and peer_unavailable(against) is None:
+        from . import bench_llama_cpp
+        arms.update(bench_llama_cpp.llama_cpp_arms(case, logits) or {})
     times = time_arms(arms, rounds, device)
     medians = {name: statistics.median(values) for name, values in times.items()}
     memory = step_memory_report(lambda: sampler.sample(logits, token_bitmask=bitmask), logits, case.vocab,
@@ -159,11 +193,11 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
 
 
 def format_table(results: list[dict]) -> str:
-    peer = any("vllm" in r["median_ms"] for r in results)
+    peers = [name for name in PEERS if any(name in r["median_ms"] for r in results)]
     memory = any(r.get("memory") for r in results)
     masked = any("mask_ratio" in r for r in results)
     header = "| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts |"
-    header += " vLLM ms | vLLM / ts |" if peer else ""
+    header += "".join(f" {PEERS[name]} ms | {PEERS[name]} / ts |" for name in peers)
     header += " mask / unmasked |" if masked else ""
     header += " peak extra / fp32 logits |" if memory else ""
     header += " rows = reference |"
@@ -172,8 +206,8 @@ def format_table(results: list[dict]) -> str:
         m = r["median_ms"]
         line = (f"| {r['case']} | {m['tokensampler']:.2f} | {m['sort_pipeline']:.2f} | {m['floor']:.3f} | "
                 f"{m['tokensampler'] / m['floor']:.1f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x |")
-        if peer:
-            line += (f" {m['vllm']:.2f} | {m['vllm'] / m['tokensampler']:.1f}x |" if "vllm" in m else " - | - |")
+        for name in peers:
+            line += (f" {m[name]:.2f} | {m[name] / m['tokensampler']:.1f}x |" if name in m else " - | - |")
         if masked:
             line += f" {r['mask_ratio']:.2f}x |" if "mask_ratio" in r else " - |"
         if memory:
@@ -185,25 +219,27 @@ def format_table(results: list[dict]) -> str:
 def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = None,
               cases: list[str] | None = None, rounds: int | None = None, log=sys.stderr,
               matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None) -> list[dict]:
-    """Run the matrix (or the named cases); print progress to `log`, return per-case results."""
+    """Run the matrix (or the named cases); print progress to `log`, return per-case results.
+    `against="llama.cpp"` runs its own cases (`workloads.LLAMA_CPP_CASES`, B=1) unless cases are named; those
+    names are known only then."""
     dev = torch.device(device)
+    if against == "llama.cpp" and matrix is WORKLOAD_MATRIX:
+        matrix = workloads.LLAMA_CPP_CASES if cases is None else WORKLOAD_MATRIX + workloads.LLAMA_CPP_CASES
     selected = [c for c in matrix if cases is None or c.name in cases]
     unknown = set(cases or ()) - {c.name for c in matrix}
     if unknown:
         raise ValueError(f"cases={sorted(unknown)} are not in the workload matrix: {[c.name for c in matrix]}")
     n_rounds = rounds if rounds is not None else (3 if quick else 7)
     check_rows = QUICK_CHECK_ROWS if quick else None
-    peer_note = None
-    if against == "vllm":
-        peer_note = bench_vllm.why_unavailable()
-        if peer_note:
-            print(peer_note, file=log, flush=True)
+    peer_note = peer_unavailable(against)
+    if peer_note:
+        print(peer_note, file=log, flush=True)
     results = []
     for i, case in enumerate(selected, 1):
         print(f"[{i}/{len(selected)}] {case.name} (B={case.batch}, V={case.vocab}) ...", file=log, flush=True)
         results.append(run_case(case, dev, n_rounds, check_rows, against))
         m = results[-1]["median_ms"]
-        peer = f", vLLM {m['vllm']:.2f} ms" if "vllm" in m else ""
+        peer = "".join(f", {PEERS[name]} {m[name]:.2f} ms" for name in PEERS if name in m)
         if "mask_ratio" in results[-1]:
             peer += (f", unmasked {m['tokensampler_unmasked']:.2f} ms (mask / unmasked "
                      f"{results[-1]['mask_ratio']:.2f}x)")
@@ -213,8 +249,9 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
     if json_path:
         payload = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                    "machine": machine_info(dev), "quick": quick, "results": results}
-        if against == "vllm":
-                payload["peer"] = {"name": "vllm", "version": bench_vllm.vllm_version(), "note": peer_note}
+        if against is not None:
+            payload["peer"] = {"name": against, "version": peer_version(against), "note": peer_note,
+                               "step": PEER_STEP.get(against)}
         # the samplers were made with compile=None: the environment's default, as resolved here
         payload["compile"] = {"enabled": BackendChoice.resolve(device=dev).compile, **compile_cache.report()}
         with open(json_path, "w") as fh:

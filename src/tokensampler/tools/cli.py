@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, Sequence
 from ..core.checks import check_device, check_int
 from ..core.errors import InvalidSamplingParams, TokenSamplerError
 from . import bench, bench_distributed, bench_speculative, bench_warmup, generate_command, smollm2
-from .workloads import WORKLOAD_MATRIX
+from .workloads import LLAMA_CPP_CASES, WORKLOAD_MATRIX
 
 USAGE_ERROR = 2  # the exit status of every user error (argparse's)
 
@@ -60,8 +60,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per arm (default 7, quick 3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for every arm (default: torch's default)")
-    parser.add_argument("--against", choices=["vllm"], default=None,
-                        help="add a column with this peer's own sampler (omitted with a note if not importable)")
+    parser.add_argument("--against", choices=["vllm", "llama.cpp"], default=None,
+                        help="add a column with this peer's own sampler (omitted with a note if not importable); "
+                             "llama.cpp runs its own B=1 cases (bench_llama_cpp.py) unless --case names others")
     parser.add_argument("--world", type=int, default=None,
                         help="split the vocabulary over N gloo ranks on this machine (bench_distributed.py)")
     parser.add_argument("--warmup", action="store_true",
@@ -84,9 +85,14 @@ def check_bench_args(args: argparse.Namespace) -> None:
             check_int(flag, value, 1, allowed="an int >= 1")
     if args.json_path is not None:
         check_output_file("--json", args.json_path)
+    if args.against == "llama.cpp" and (args.warmup or args.world is not None or args.speculative):
+        raise InvalidSamplingParams("--against", args.against, "no llama.cpp with --warmup, --world or "
+                                    "--speculative (its column times the plain step)")
     if not args.cases:
         return
     plain = [c.name for c in WORKLOAD_MATRIX]
+    if args.against == "llama.cpp":
+        plain += [c.name for c in LLAMA_CPP_CASES]
     speculative = [c.name for c in bench_speculative.SPECULATIVE_CASES]
     if args.warmup:
         raise InvalidSamplingParams("--case", args.cases, "no --case with --warmup (it times one sampler over "

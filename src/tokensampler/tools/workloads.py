@@ -46,6 +46,17 @@ WORKLOAD_MATRIX: tuple[BenchCase, ...] = (
 )
 
 
+# `--against llama.cpp`: B=1 at SmolLM2's, Qwen's and Gemma's vocabulary sizes, llama.cpp's default chain
+# (common_params_sampling: penalties off, top-k 40, top-p 0.95, min-p 0.05, temperature 0.8) and
+# top-k 20 + top-p 0.95 at temperature 1 (tools/bench_llama_cpp.py)
+LLAMA_CPP_VOCABS = (49152, 151936, 248320)
+LLAMA_CPP_CASES: tuple[BenchCase, ...] = tuple(
+    BenchCase(f"{name}_V{vocab // 1000}k", 1, vocab, params)
+    for name, params in (("llama_default", {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}),
+                         ("k20_p0.95", {"temperature": 1.0, "top_k": 20, "top_p": 0.95}))
+    for vocab in LLAMA_CPP_VOCABS)
+
+
 def make_logits(batch: int, vocab: int, *, flat: bool = False, seed: int = 0,
                 device: torch.device | str = "cpu") -> torch.Tensor:
     """LLM-shaped logits: per row `18 - s*ln(rank) + N(0, 0.7^2)` under a random permutation,
