@@ -281,6 +281,9 @@ def test_penalties_scopes_llama_cpp_has_one_window_tokensampler_prompt_and_outpu
         got = lc.apply(lc.penalties(len(seen), 1.0, 0.4), z, seen).logits_by_id(V)
         np.testing.assert_array_equal(got, defs.reference_processed(z, params(frequency_penalty=0.4), (), seen))
         assert not np.array_equal(got, defs.reference_processed(z, params(frequency_penalty=0.4), prompt, out))
+        # and ours, prompt given, is llama.cpp's with only the output accepted
+        got = lc.apply(lc.penalties(len(out), 1.0, 0.4), z, out).logits_by_id(V)
+        np.testing.assert_array_equal(got, defs.reference_processed(z, params(frequency_penalty=0.4), prompt, out))
         # a window shorter than the history: only its last n tokens count
         got = lc.apply(lc.penalties(64, 1.0, 0.4, 0.2), z, out).logits_by_id(V)
         want = defs.reference_processed(z, params(frequency_penalty=0.4, presence_penalty=0.2), (), out[-64:])
@@ -312,6 +315,23 @@ def test_top_n_sigma(n):
 
 
 TYPICAL_SWAPS = []  # (row, p, ids that differ, their score's distance to the border score)
+
+
+def test_top_n_sigma_at_an_exact_border():
+    """Logits +-1 (mean 0, population std exactly 1) and removed ids (not counted): with n = 2 the -1 ids
+    sit exactly at max - n sigma and stay (llama.cpp removes logit < max - n std; the definition keeps >=)."""
+    z = np.full(64, -np.inf, dtype=np.float32)
+    z[:8] = [1, -1, 1, -1, 1, -1, 1, -1]
+    assert lc.apply(lc.top_n_sigma(2.0), z).kept() == set(range(8))
+    assert set(np.flatnonzero(defs.top_n_sigma_keep(z, 2.0)).tolist()) == set(range(8))
+    assert lc.apply(lc.top_n_sigma(1.5), z).kept() == {0, 2, 4, 6}
+    assert set(np.flatnonzero(defs.top_n_sigma_keep(z, 1.5)).tolist()) == {0, 2, 4, 6}
+    # the population std, not the sample std: n puts id 8 between max - n std and max - n std_sample
+    z[8] = -0.5
+    finite = z[z > -np.inf].astype(np.float64)
+    n = 1.5 / ((finite.std() + finite.std(ddof=1)) / 2)
+    assert lc.apply(lc.top_n_sigma(n), z).kept() == {0, 2, 4, 6}
+    assert set(np.flatnonzero(defs.top_n_sigma_keep(z, n)).tolist()) == {0, 2, 4, 6}
 
 
 @pytest.mark.parametrize("p", [0.2, 0.5, 0.9, 0.95])
