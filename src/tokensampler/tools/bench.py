@@ -192,6 +192,11 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
     }
 
 
+def peer_ratio(ratio: float) -> str:
+    """A peer's time over ours: one decimal, two below 1 (a faster peer is not rounded to 0.0x)."""
+    return f"{ratio:.2f}x" if ratio < 1 else f"{ratio:.1f}x"
+
+
 def format_table(results: list[dict]) -> str:
     peers = [name for name in PEERS if any(name in r["median_ms"] for r in results)]
     memory = any(r.get("memory") for r in results)
@@ -207,7 +212,7 @@ def format_table(results: list[dict]) -> str:
         line = (f"| {r['case']} | {m['tokensampler']:.2f} | {m['sort_pipeline']:.2f} | {m['floor']:.3f} | "
                 f"{m['tokensampler'] / m['floor']:.1f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x |")
         for name in peers:
-            line += (f" {m[name]:.2f} | {m[name] / m['tokensampler']:.1f}x |" if name in m else " - | - |")
+            line += (f" {m[name]:.2f} | {peer_ratio(m[name] / m['tokensampler'])} |" if name in m else " - | - |")
         if masked:
             line += f" {r['mask_ratio']:.2f}x |" if "mask_ratio" in r else " - |"
         if memory:
