@@ -448,3 +448,30 @@ def test_dry_penalises_what_extends_a_repetition():
             np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, {multiplier, base, allowed, last_n}")
             cases += int((got != z).sum())
     assert cases > 0, "some histories must be penalised"
+
+
+# --- the bench's arm -------------------------------------------------------------------------------------
+
+def test_the_bench_arm_draws_from_its_chains_kept_set_and_copies_the_row_each_step():
+    """`tokensampler bench --against llama.cpp`'s arm: llama.cpp's default chain in its order, each step
+    a fresh copy of the row (the array it left is overwritten), the token from the kept set."""
+    import torch
+
+    from tokensampler.tools.bench_llama_cpp import ChainArm, chain_samplers
+
+    z = llm_row(4)
+    arm = ChainArm({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, torch.from_numpy(z))
+    lib = lc.bindings()
+    samplers = chain_samplers({"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}, V)
+    assert [bytes(lib.llama_sampler_name(s)).decode() for s in samplers] == ["top-k", "top-p", "min-p", "temp-ext",
+                                                                             "dist"]
+    for sampler in samplers:
+        lib.llama_sampler_free(sampler)
+    kept = lc.apply(lc.chain(lc.top_k(40), lc.top_p(0.95), lc.min_p(0.05), lc.temp_ext(0.8, 0.0, 1.0)), z).kept()
+    tokens = [arm.step() for _ in range(50)]
+    assert set(tokens) <= kept and len(set(tokens)) > 1
+    assert arm.array.struct.size == len(kept)  # what the chain left; the next step's copy restores every id
+    arm.array.fill(arm.logits)
+    assert arm.array.struct.size == V and arm.array.view()["id"].tolist() == list(range(V))
+    with pytest.raises(ValueError, match="penalties"):
+        chain_samplers({"temperature": 1.0, "presence_penalty": 0.5}, V)
