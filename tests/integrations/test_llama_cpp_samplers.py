@@ -202,7 +202,7 @@ def test_temperature_last_in_llama_cpps_chain_first_in_ours():
     """Documented difference: llama.cpp's default chain filters the temperature-1 logits (top-k, top-p,
     min-p) and divides by T last; tokensampler divides first (as vLLM). With temperature 1 the chain
     equals our filters applied in llama.cpp's order; at 0.8 its set is the temperature-1 set."""
-    differ = 0
+    differ = fewer = 0
     for name, z in rows():
         chain = lc.chain(lc.top_k(40), lc.top_p(0.95), lc.min_p(0.05), lc.temp(0.8))
         got = lc.apply(chain, z)
@@ -212,7 +212,12 @@ def test_temperature_last_in_llama_cpps_chain_first_in_ours():
         assert got.kept() == set(np.flatnonzero(z1 > -np.inf).tolist()), name
         np.testing.assert_array_equal(got.logits_by_id(V), np.where(z1 > -np.inf, z / np.float32(0.8), -np.inf))
         differ += got.kept() != defs.reference_kept(z, params(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05))
+        # the order alone (temperature 1): our top-p renormalises over what min-p left, so it keeps a subset
+        ours = defs.reference_kept(z, params(top_k=40, top_p=0.95, min_p=0.05))
+        assert ours <= got.kept(), name
+        fewer += ours < got.kept()
     assert differ > 0, "at temperature 0.8 the two definitions must keep different sets on some row"
+    assert fewer > 0, "min-p before top-p must keep fewer ids on some row"
 
 
 def test_top_k_then_top_p_chain_equals_ours_at_temperature_1():
