@@ -137,14 +137,18 @@ def test_format_requests_is_format_then_to_requests_with_the_same_errors():
     for lanes in (3, 5):
         want = format_sampling_params(batch, lanes, vocab_size=V).to_requests()
         assert format_requests(batch, lanes, vocab_size=V) == want
-    for bad, lanes in ((BatchSamplingParams(top_p=[0.5, 0.0]), 2), (BatchSamplingParams(temperature=[1.0] * 3), 2),
-                       (BatchSamplingParams(temperature=[1.0, "hot"]), 2), (BatchSamplingParams(top_k=[1, 2]), 0)):
+    bad_batches = [(dict(top_p=[0.5, 0.0]), 2), (dict(temperature=[1.0] * 3), 2), (dict(temperature=[1.0, "hot"]), 2),
+                   (dict(top_k=[1, 2]), 0), (dict(stop_token_ids={1, 2}), 2), (dict(allowed_token_ids=range(3)), 2),
+                   (dict(stop_token_ids=[{1}, {2}]), 2), (dict(stop_token_ids=lambda: (t for t in [1])), 2),
+                   (dict(bad_words_token_ids=[range(2), None]), 2)]
+    for fields, lanes in bad_batches:
         errors = []
-        for fn in (lambda: format_sampling_params(bad, lanes).to_requests(), lambda: format_requests(bad, lanes)):
+        for fn in (lambda b: format_sampling_params(b, lanes).to_requests(), lambda b: format_requests(b, lanes)):
+            bad = BatchSamplingParams(**{k: v() if callable(v) else v for k, v in fields.items()})
             with pytest.raises(InvalidSamplingParams) as err:
-                fn()
-            errors.append((type(err.value), str(err.value)))
-        assert errors[0] == errors[1]
+                fn(bad)
+            errors.append((type(err.value), str(err.value).split(" at 0x")[0]))
+        assert errors[0] == errors[1], fields
 
 
 @pytest.mark.parametrize("remap, message", [

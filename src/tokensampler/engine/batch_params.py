@@ -190,14 +190,24 @@ def format_sampling_params(params: Any, max_batch_size: int, *, vocab_size: int 
     greedy lanes (temperature 0) get top_k 0, top_p 1, min_p 0 (they ignore them); padding lanes are
     greedy with every other field at its default. Idempotent. Every lane is validated.
     """
-    rows, _ = _format_rows(params, max_batch_size, vocab_size)
-    return BatchSamplingParams(**{name: [row[name] for row in rows] for name in FIELDS})
+    return _columns(_format_rows(params, max_batch_size, vocab_size)[0])
 
 
 def format_requests(params: Any, max_batch_size: int, *, vocab_size: int | None = None) -> list[SamplingParams]:
     """`format_sampling_params(params, max_batch_size, vocab_size=...).to_requests()`, the same
-    `SamplingParams` and the same errors, with each lane built once (the validation is the build)."""
-    return _format_rows(params, max_batch_size, vocab_size)[1]
+    `SamplingParams` and the same errors, with each lane built once (the validation is the build)
+    whenever every formatted column reads back as one entry per lane (a scalar container of
+    another kind, such as a set of stop ids, reads back as one value for every lane: then the
+    columns are read back, as `to_requests` does)."""
+    rows, requests = _format_rows(params, max_batch_size, vocab_size)
+    formatted = _columns(rows)
+    if len(formatted.per_lane_fields()) == len(FIELDS):
+        return requests
+    return formatted.to_requests()
+
+
+def _columns(rows: list[dict[str, Any]]) -> BatchSamplingParams:
+    return BatchSamplingParams(**{name: [row[name] for row in rows] for name in FIELDS})
 
 
 def _format_rows(params: Any, max_batch_size: int, vocab_size: int | None

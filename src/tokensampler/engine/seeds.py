@@ -40,8 +40,10 @@ def check_slot_remap(remap: Sequence[int] | torch.Tensor, num_slots: int) -> lis
     for new, old in enumerate(values):
         check_int(f"slot_remap[{new}]", old, 0, num_slots - 1, allowed=f"an old slot in [0, {num_slots})",
                   error=InvalidSlotRemap)
-    taken = [j for j, count in Counter(values).items() if count > 1]
-    raise InvalidSlotRemap("slot_remap", values, f"distinct old slots (taken twice: {sorted(taken)})")
+    if len(set(values)) != num_slots:
+        taken = [j for j, count in Counter(values).items() if count > 1]
+        raise InvalidSlotRemap("slot_remap", values, f"distinct old slots (taken twice: {sorted(taken)})")
+    return values
 
 
 def rank_local_slot_remap(global_remap: Sequence[int] | torch.Tensor, lane: int, lane_stride: int,
