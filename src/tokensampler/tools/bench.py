@@ -184,8 +184,10 @@ def format_table(results: list[dict]) -> str:
 
 def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = None,
               cases: list[str] | None = None, rounds: int | None = None, log=sys.stderr,
-              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None) -> list[dict]:
-    """Run the matrix (or the named cases); print progress to `log`, return per-case results."""
+              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None,
+              extra: dict | None = None) -> list[dict]:
+    """Run the matrix (or the named cases); print progress to `log`, return per-case results.
+    `extra`: more top-level entries of the JSON (e.g. the admission report)."""
     dev = torch.device(device)
     selected = [c for c in matrix if cases is None or c.name in cases]
     unknown = set(cases or ()) - {c.name for c in matrix}
@@ -217,6 +219,7 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
                 payload["peer"] = {"name": "vllm", "version": bench_vllm.vllm_version(), "note": peer_note}
         # the samplers were made with compile=None: the environment's default, as resolved here
         payload["compile"] = {"enabled": BackendChoice.resolve(device=dev).compile, **compile_cache.report()}
+        payload.update(extra or {})
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=1)
     return results
