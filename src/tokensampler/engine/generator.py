@@ -407,7 +407,7 @@ class SamplingGenerator:
     def _requests(self, formatted: BatchSamplingParams) -> list[SamplingParams]:
         requests = formatted.to_requests()
         for request in requests:
-            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs)
+            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs, self.sampler.layout.split)
         return requests
 
     def _chunk_lanes(self, chunks: Any, occupied: list[bool]) -> dict[int, SamplingParams]:
