@@ -413,3 +413,37 @@ def test_off_values_and_the_sentinel():
     assert SamplingParams(temperature=0.0, typical_p=0.5).full_row_fields == ()
     assert SamplingParams(typical_p=0.5, xtc_probability=0.1).full_row_fields == (("typical_p", 0.5),
                                                                                   ("xtc_probability", 0.1))
+
+
+# ------------------------------------------------------------------ serving: checkpoint defaults, the command line
+def test_generation_config_supplies_typical_epsilon_eta(tmp_path):
+    from tokensampler import InvalidCheckpoint, load_generation_defaults, resolve_request
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"typical_p": 0.8, "epsilon_cutoff": 0.0003, "eta_cutoff": 0.001, "top_n_sigma": 2.0}')
+    defaults = load_generation_defaults(tmp_path)
+    assert (defaults.typical_p, defaults.epsilon_cutoff, defaults.eta_cutoff) == (0.8, 0.0003, 0.001)
+    params = resolve_request({}, defaults)
+    assert (params.typical_p, params.epsilon_cutoff, params.eta_cutoff, params.top_n_sigma) == (0.8, 0.0003, 0.001,
+                                                                                               None)
+    sent = resolve_request({"typical_p": 0.5, "top_n_sigma": 1.5, "xtc_probability": 0.2}, defaults)
+    assert (sent.typical_p, sent.top_n_sigma, sent.xtc_probability, sent.eta_cutoff) == (0.5, 1.5, 0.2, 0.001)
+    (tmp_path / "generation_config.json").write_text('{"typical_p": 0.0}')
+    with pytest.raises(InvalidCheckpoint) as raised:
+        load_generation_defaults(tmp_path)
+    assert raised.value.field == "typical_p"
+
+
+def test_generate_flags_reach_the_request():
+    import argparse
+
+    from tokensampler.tools.generate_command import add_generate_parser, request_from_args
+
+    parser = argparse.ArgumentParser()
+    add_generate_parser(parser.add_subparsers())
+    args = parser.parse_args(["generate", "--model", "m", "--prompt", "p", "--typical-p", "0.7", "--eta-cutoff",
+                              "0.01", "--epsilon-cutoff", "0.02", "--top-n-sigma", "1", "--dynatemp-range", "0.5",
+                              "--dynatemp-exponent", "2", "--xtc-probability", "0.5", "--xtc-threshold", "0.2"])
+    assert request_from_args(args) == dict(typical_p=0.7, eta_cutoff=0.01, epsilon_cutoff=0.02, top_n_sigma=1.0,
+                                           dynatemp_range=0.5, dynatemp_exponent=2.0, xtc_probability=0.5,
+                                           xtc_threshold=0.2)

@@ -196,8 +196,8 @@ def _filter_and_draw(zs: torch.Tensor, row_max: torch.Tensor, row_slots: torch.T
     st = state
     for j, i in enumerate(sampled):
         p = row_params[i]
-        if not full_row_stages(p) or full_row_stages(p) == ("dynatemp",):
-            continue  # only min-p, top-k, top-p: the threshold's draw is the token
+        if full_row_stages(p) in ((), ("dynatemp",)):
+            continue  # no step 10.1-10.5: the threshold's draw is the token
         s = row_slots[i]
         coin = float(rng.xtc_coin(st.seed[s], st.position[s], st.stream[s])) if p.xtc_probability > 0 else 1.0
         ids = filter_row(part[j], kept[j], p, coin)
