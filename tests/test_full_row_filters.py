@@ -228,6 +228,25 @@ def test_dynamic_temperature_follows_the_entropy_and_turns_greedy_at_zero():
     assert value == pytest.approx(math.log(2.0) / t_dyn, rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logprobs"])
+def test_dynamic_temperature_rows_emptied_by_the_request_temperature(mode):
+    """The emptiness test of step 7 uses the request's T: a row whose ids all underflow at z / T has
+    no id left (raw greedy id, invalid, processed values all -inf) even with a dynamic temperature;
+    a row that survives T but not T_dyn is greedy on z."""
+    logits = torch.tensor([[-3e38, -3.2e38, -3.3e38, -3.05e38], [-3e38, -3.1e38, -2e38, 5.0],
+                           [-1e36, -2e36, -1.5e36, -3e36]])
+    params = [SamplingParams(temperature=0.01, dynatemp_range=0.005, seed=2, logprobs=4),
+              SamplingParams(temperature=0.01, dynatemp_range=0.009, seed=1, logprobs=4, typical_p=0.9),
+              SamplingParams(temperature=0.5, dynatemp_range=0.4999, dynatemp_exponent=20.0, seed=3, logprobs=4)]
+    s = Sampler(4, max_slots=3, logprobs_mode=mode, backend="torch")
+    for b, p in enumerate(params):
+        s.add_request(b, p, [])
+    got = s.sample(logits)
+    want = reference_sample(logits, [ReferenceRequest(p, p.seed, 0) for p in params], logprobs_mode=mode)
+    assert not dc.compare(mode, got, want)
+    assert got.valid.tolist() == [False, True, True] and got.token_ids.tolist()[:2] == [0, 3]
+
+
 # ------------------------------------------------------------------ invariance and reproducibility
 def test_a_row_does_not_depend_on_its_batch():
     r = random.Random(11)

@@ -227,13 +227,13 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
     if valid and not greedy:
         # 7. temperature (an underflow to -inf removes the id; if none is left, the row is invalid)
         t = torch.tensor(params.temperature, dtype=torch.float32)
-        valid = bool((~torch.isneginf(saturate_posinf(z / t))).any())
-        if valid and params.dynatemp_range > 0:  # 7. dynamic temperature from the entropy of q(z)
-            t = dynamic_temperature(z, kept, params)
+        if params.dynatemp_range > 0 and bool((~torch.isneginf(z / t)).any()):  # 7. dynamic temperature,
+            t = dynamic_temperature(z, kept, params)  # after the test with the request's T
             greedy = bool(t == 0) or bool(torch.isneginf(z[kept] / t).all())  # T_dyn = 0: greedy on z
-        if valid and not greedy:
+        if not greedy:
             z = saturate_posinf(z / t)
             kept = ~torch.isneginf(z)
+            valid = bool(kept.any())
     if not valid:  # no id left: the greedy id of the raw logits, flagged invalid
         token = int(torch.argmax(raw))
         final = z
