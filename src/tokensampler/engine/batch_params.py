@@ -67,6 +67,14 @@ class BatchSamplingParams:
     bad_words_token_ids: Any = None
     stop: Any = None
     ignore_eos: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    top_n_sigma: Any = None
+    typical_p: Any = None
+    epsilon_cutoff: Any = None
+    eta_cutoff: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[SamplingParams]) -> "BatchSamplingParams":

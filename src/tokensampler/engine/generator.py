@@ -414,7 +414,7 @@ class SamplingGenerator:
         """`lanes` validated requests (`format_requests`: each lane built once), checked for the vocabulary."""
         requests = format_requests(batch, lanes, vocab_size=self.vocab_size)
         for request in requests:
-            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs)
+            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs, self.sampler.layout.split)
         return requests
 
     def _chunk_lanes(self, chunks: Any, occupied: list[bool]) -> dict[int, SamplingParams]:
