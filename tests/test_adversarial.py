@@ -1,47 +1,34 @@
-"""The adversarial campaign (benchmarks/adversarial.py), bounded: about 10^6 draws through every path
-against reference.py, with zero invalid ids, mismatches and unexpected exceptions; and the bugs it
-found, each as a regression test.
+"""The adversarial campaign (tests/support/adversarial/; its command: benchmarks/adversarial.py),
+bounded: about 10^6 draws through every path against reference.py, with zero invalid ids,
+mismatches and unexpected exceptions; and the bugs it found, each as a regression test.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
+from tests.support.adversarial.campaign import run_campaign, table
+from tests.support.adversarial.cases import make_case
+from tests.support.adversarial.findings import Finding
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, sample
 from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.parallel import ThreadExchange, ThreadHub
 from tokensampler.reference import ReferenceRequest, reference_sample
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "adversarial.py"
 # most draws on the torch step (tiny vocabularies, batches up to 16384 rows), a few thousand through
 # `sample` and the split, a hundred rows through the Triton kernels in the interpreter (~0.1 s a row)
 CI_BUDGET = {"torch": 982_000, "sample": 12_000, "split2": 3_000, "split3": 3_000, "kernels": 120}
 CI_SEED = 20261130
 
 
-def _campaign_module() -> ModuleType:
-    name = "tokensampler_adversarial_campaign"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def test_bounded_campaign_finds_nothing():
-    campaign = _campaign_module()
-    report = campaign.run_campaign(CI_BUDGET, CI_SEED)
+    report = run_campaign(CI_BUDGET, CI_SEED)
     total = report["total"]
-    lines = [campaign.Finding(**f).line(CI_SEED) for f in report["findings"][:10]]
-    message = campaign.table(report) + "\n" + "\n".join(lines)
+    lines = [Finding(**f).line(CI_SEED) for f in report["findings"][:10]]
+    message = table(report) + "\n" + "\n".join(lines)
     assert total["draws"] >= 1_000_000, message
     for path, budget in CI_BUDGET.items():
         assert report["paths"][path]["draws"] >= budget, message
@@ -53,8 +40,7 @@ def test_bounded_campaign_finds_nothing():
 
 
 def test_a_case_is_a_function_of_seed_path_and_index():
-    campaign = _campaign_module()
-    one, two = campaign.make_case(3, "torch", 5), campaign.make_case(3, "torch", 5)
+    one, two = make_case(3, "torch", 5), make_case(3, "torch", 5)
     assert [r.kwargs for r in one.rows] == [r.kwargs for r in two.rows] and one.slots == two.slots
     assert torch.equal(one.step(0).logits.view(torch.int32 if one.dtype == torch.float32 else torch.int16),
                        two.step(0).logits.view(torch.int32 if two.dtype == torch.float32 else torch.int16))

@@ -543,7 +543,7 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 FILE_KEYS = ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "max_new_tokens", "do_sample"]
+             "frequency_penalty", "max_new_tokens", "do_sample", "typical_p", "epsilon_cutoff", "eta_cutoff"]
 
 
 @settings(max_examples=examples(250), **SETTINGS)

@@ -258,6 +258,10 @@ TARGETS = {
     "top_k": SamplingParams(temperature=0.7, top_k=3),
     "top_p": SamplingParams(temperature=1.3, top_p=0.75),
     "min_p_penalties": SamplingParams(temperature=1.0, min_p=0.12, repetition_penalty=1.6, frequency_penalty=0.5),
+    # the full-row samplers (steps 7, 10.1-10.5; XTC with probability 1, so every seed's coin applies it)
+    "typical_epsilon_eta": SamplingParams(temperature=1.0, typical_p=0.85, epsilon_cutoff=0.01, eta_cutoff=0.02),
+    "dynatemp_sigma_xtc": SamplingParams(temperature=0.9, dynatemp_range=0.6, top_n_sigma=3.0,
+                                         xtc_probability=1.0, xtc_threshold=0.2),
 }
 DRAFT = SamplingParams(temperature=1.0)
 

@@ -10,6 +10,7 @@ noise comes from `rng.gumbel`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Collection, Sequence
 
@@ -86,6 +87,78 @@ def _top_n(order_key: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sort(order_key, descending=True, stable=True).indices[:n]
 
 
+# ------------------------------------------------------------------ steps 7 and 10.1-10.5
+def canonical_ids(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """The kept ids by z descending, the lower id first among equal z (the order every full-row
+    quantity is summed in)."""
+    ids = torch.nonzero(kept).squeeze(-1)
+    return ids[torch.sort(z[ids], descending=True, stable=True).indices]
+
+
+def _total(terms: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of `terms` added one after the other, in their order."""
+    return torch.cumsum(terms, 0)[-1]
+
+
+def _entropy(q: torch.Tensor) -> torch.Tensor:
+    """-sum q log q over q > 0 (0 log 0 = 0), in q's order."""
+    return -_total(torch.where(q > 0, q * torch.log(q), torch.zeros_like(q)))
+
+
+def dynamic_temperature(z: torch.Tensor, kept: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Step 7's T_dyn (float32): T_min + (T_max - T_min) (H / log n)^exponent, H the entropy of
+    softmax(z) over the n kept ids (float64); the request's T when n = 1."""
+    ids = canonical_ids(z, kept)
+    if ids.numel() == 1:
+        return torch.tensor(params.temperature, dtype=torch.float32)
+    x = z[ids].to(torch.float64)
+    e = torch.exp(x - x[0])
+    h = _entropy(e / _total(e))
+    t_min = max(0.0, params.temperature - params.dynatemp_range)
+    t_max = params.temperature + params.dynatemp_range
+    return (t_min + (t_max - t_min) * (h / math.log(ids.numel())) ** params.dynatemp_exponent).to(torch.float32)
+
+
+def full_row_filters(z: torch.Tensor, kept: torch.Tensor, request: ReferenceRequest) -> torch.Tensor:
+    """Steps 10.1-10.5 on the kept ids of z (= z / T, float32): each filter on what the previous left,
+    its probabilities q = e / S renormalised there (float64, summed in the canonical order)."""
+    params = request.params
+    ids = canonical_ids(z, kept)
+    x = z[ids].to(torch.float64)  # descending: x[0] is the max
+    if params.top_n_sigma is not None:  # 10.1: x >= max - n sigma, sigma the population std
+        mean = _total(x) / x.numel()
+        sigma = torch.sqrt(_total((x - mean) * (x - mean)) / x.numel())
+        ids, x = ids[x >= x[0] - params.top_n_sigma * sigma], x[x >= x[0] - params.top_n_sigma * sigma]
+    if params.typical_p < 1.0:  # 10.2: ids by |-log q - H| ascending; ties stay or go together
+        e = torch.exp(x - x[0])
+        total = _total(e)
+        q = e / total
+        score = torch.abs(-torch.log(q) - _entropy(q))
+        order = torch.sort(score, stable=True).indices
+        before = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(e[order], 0)[:-1]])
+        first_of_tie = torch.searchsorted(score[order], score[order])  # ascending: the tie's first place
+        keep = torch.zeros_like(x, dtype=torch.bool)
+        keep[order] = before[first_of_tie] < params.typical_p * total
+        ids, x = ids[keep], x[keep]
+    for cutoff, is_eta in ((params.epsilon_cutoff, False), (params.eta_cutoff, True)):  # 10.3, 10.4
+        if cutoff > 0:
+            e = torch.exp(x - x[0])
+            q = e / _total(e)
+            bound = torch.minimum(torch.tensor(cutoff, dtype=torch.float64),
+                                  math.sqrt(cutoff) * torch.exp(-_entropy(q))) if is_eta else cutoff
+            keep = (q >= bound) | (x == x[0])
+            ids, x = ids[keep], x[keep]
+    if params.xtc_probability > 0 and \
+            float(rng.xtc_coin(request.seed, request.position, request.stream)) < params.xtc_probability:
+        e = torch.exp(x - x[0])  # 10.5: two or more ids with q >= threshold: all but the last go
+        above = int((e / _total(e) >= params.xtc_threshold).sum())
+        if above >= 2:
+            ids, x = ids[above - 1:], x[above - 1:]
+    out = torch.zeros_like(kept)
+    out[ids] = True
+    return out
+
+
 def _log_softmax(z: torch.Tensor) -> torch.Tensor:
     if bool(torch.isneginf(z).all()):
         return z.clone()
@@ -150,15 +223,21 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
     z = saturate_posinf(z)
     kept = ~torch.isneginf(z)
     valid = bool(kept.any())
-    if valid and not params.greedy:
+    greedy = params.greedy
+    if valid and not greedy:
         # 7. temperature (an underflow to -inf removes the id; if none is left, the row is invalid)
-        z = saturate_posinf(z / torch.tensor(params.temperature, dtype=torch.float32))
-        kept = ~torch.isneginf(z)
-        valid = bool(kept.any())
+        t = torch.tensor(params.temperature, dtype=torch.float32)
+        if params.dynatemp_range > 0 and bool((~torch.isneginf(z / t)).any()):  # 7. dynamic temperature,
+            t = dynamic_temperature(z, kept, params)  # after the test with the request's T
+            greedy = bool(t == 0) or bool(torch.isneginf(z[kept] / t).all())  # T_dyn = 0: greedy on z
+        if not greedy:
+            z = saturate_posinf(z / t)
+            kept = ~torch.isneginf(z)
+            valid = bool(kept.any())
     if not valid:  # no id left: the greedy id of the raw logits, flagged invalid
         token = int(torch.argmax(raw))
         final = z
-    elif params.greedy:  # 6. greedy: lowest id among the maxima
+    elif greedy:  # 6. greedy: lowest id among the maxima
         token = int(torch.argmax(z))
         final = z
     else:
@@ -176,6 +255,8 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
             mass_above, _ = _mass_and_count_above(z, p, kept)
             total = p[kept].to(torch.float64).sum()
             kept &= mass_above < params.top_p * total
+        # 10.1-10.5. top-n-sigma, typical-p, epsilon, eta, XTC on the kept ids
+        kept = full_row_filters(z, kept, request)
         z = torch.where(kept, z, torch.full_like(z, NEG_INF))
         # 11. Gumbel argmax, noise keyed by (seed, position, id, stream)
         g = rng.gumbel(request.seed, request.position, torch.arange(vocab_size), request.stream)

@@ -13,8 +13,9 @@
   probabilities); at the first rejection a token is drawn from the normalised residual
   max(p - q, 0); after K acceptances the bonus token is the canonical one. p is built by
   `target_rows` from the torch step's own stages (`backends/torch_step/stages.py`: every edit the plan
-  needs, bad words and a token bitmask included, then the filters), on the logits' device, one
-  position at a time; the bonus position runs the ordinary backend step.
+  needs, bad words and a token bitmask included, then the filters; rows with the full-row samplers
+  through `backends/torch_step/extra_filters.py`, as the torch step runs them), on the logits'
+  device, one position at a time; the bonus position runs the ordinary backend step.
 
 Both advance the state one position at a time: position j is computed from the slot's history
 with the tokens emitted before it in this call already counted (step 13 after every emitted token).
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .backends import Backends
-from .backends.torch_step import masking, stages
+from .backends.torch_step import extra_filters, masking, stages
 from .backends.torch_step.argmax import first_argmax
 from .backends.torch_step.config import DEFAULT, TorchStepConfig
 from .backends.torch_step.indexing import nonzero_ids
@@ -130,7 +131,10 @@ def target_rows(state: SamplerState, logits: torch.Tensor, index: torch.Tensor, 
             valid[gone] = False
             z[gone] = NEG_INF
             sampled = [b for b, d in zip(sampled, dead) if not d]
-    if sampled:
+    if sampled and extra_filters.needed([rows[b] for b in sampled]):  # steps 7, 10.1-10.5 (full-row route)
+        tokens[sampled], turned_greedy = extra_filters.draw_rows(z, z_max, index, rows, sampled, st, config, compiled)
+        sampled = [b for b, g in zip(sampled, turned_greedy) if not g]  # T_dyn = 0: a greedy target
+    elif sampled:
         everyone = len(sampled) == len(rows)
         zs = z if everyone else z[sampled]
         cols = stages.filter_columns(st, index[sampled], [rows[b] for b in sampled], config, compiled=compiled)

@@ -48,8 +48,8 @@ def snapshot(gen: SamplingGenerator) -> tuple:
     st = gen.sampler.state
     sm = gen.seed_manager
     host = (list(sm.seeds), list(sm.drawn), list(sm.positions), list(sm.streams), list(gen._occupied),
-            list(gen._stale), list(gen._prompt_stale), list(st.params), list(st.seeds), list(st.drawn),
-            list(st.streams))
+            list(gen._stale), list(gen._prompt_stale), list(gen._sampled), gen._num_sampled, list(st.params),
+            list(st.seeds), list(st.drawn), list(st.streams))
     return host, [t.clone() for t in st.slot_tensors()]
 
 

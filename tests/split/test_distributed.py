@@ -23,10 +23,11 @@ from tokensampler.parallel import SamplingDP, sampling_dp
 # ------------------------------------------------------------------ the merge math
 def test_every_filter_of_the_definition_has_a_split_merge():
     """A filter added to the plan (`core.plan.FILTER_STAGES`) without its exact merge fails here."""
-    from tokensampler.backends.split.step import SPLIT_FILTERS
+    from tokensampler.backends.split.step import SPLIT_FILTERS, SPLIT_REFUSED
     from tokensampler.core.plan import FILTER_STAGES
 
-    assert tuple(SPLIT_FILTERS) == FILTER_STAGES
+    assert tuple(SPLIT_FILTERS) == tuple(name for name in FILTER_STAGES if name not in SPLIT_REFUSED)
+    assert set(SPLIT_REFUSED) <= set(FILTER_STAGES)  # refused at admission (tests/test_full_row_filters.py)
 
 
 def test_bisection_rounds_reach_a_single_key():

@@ -228,3 +228,6 @@ class Engine:
             held = slot if self.pending_remap is None else self.pending_remap[slot]
             assert self.gen.seed_manager.snapshot(held) == (r.seed, r.position, r.stream), (slot, r)
         check_slot_state(self.gen.sampler)
+        # the generator's count of rows that are not greedy (a step forces argmax at 0) follows the rows
+        sampled = [not r.params.greedy for r in self.gen.sampler.records_of(range(self.gen.num_lanes))]
+        assert (self.gen._sampled, self.gen._num_sampled) == (sampled, sum(sampled))

@@ -37,27 +37,34 @@ KINDS = ("greedy", "temperature", "top_k", "top_p", "min_p", "filters", "penalti
 # ------------------------------------------------------------------ thread exchange
 
 
-def run_threads(world: int, fn: Callable[[Exchange], Any]) -> list[Any]:
-    """fn(exchange) on `world` threads; returns each rank's result, re-raises the first error."""
-    hub = ThreadHub(world)
-    results: list[Any] = [None] * world
+def run_ranks(hub: ThreadHub, fn: Callable[[int], Any]) -> list[Any]:
+    """fn(rank) on one thread per rank of `hub`; returns each rank's result, re-raises the first error
+    (after resetting the hub's barrier, so that its group can go on)."""
+    results: list[Any] = [None] * hub.world
     errors: list[BaseException] = []
 
     def body(rank: int) -> None:
         try:
-            results[rank] = fn(ThreadExchange(hub, rank))
+            results[rank] = fn(rank)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             errors.append(exc)
             hub.barrier.abort()
 
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(hub.world)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
+        hub.barrier.reset()
         raise errors[0]
     return results
+
+
+def run_threads(world: int, fn: Callable[[Exchange], Any]) -> list[Any]:
+    """fn(exchange) on `world` threads; returns each rank's result, re-raises the first error."""
+    hub = ThreadHub(world)
+    return run_ranks(hub, lambda rank: fn(ThreadExchange(hub, rank)))
 
 
 # ------------------------------------------------------------------ cases

@@ -15,7 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from .checks import as_list, check_bool, check_int, check_real, check_token_ids, is_int, is_real
 from .constants import INT64_MIN, LOGIT_BIAS_LIMIT, UINT64_MAX
-from .errors import InvalidSamplingParams
+from .errors import InvalidSamplingParams, UnsupportedOnSplit
 
 
 def _token_tuple(name: str, ids: Iterable[Any] | None) -> tuple[int, ...] | None:
@@ -92,6 +92,11 @@ class SamplingParams:
     stop, ignore_eos: for the layers above the sampler (OpenAI's): stop strings end the completion
       (not returned in its text); ignore_eos = EOS is not a stop condition. The sampler itself does
       not read them (EOS ids are still removed below min_tokens, as in vLLM).
+    The full-row samplers (docs/semantics.md steps 7 and 10.1-10.5; sampled rows only, like min-p):
+    dynatemp_range: >= 0, 0 = off; T varies in [max(0, T - range), T + range] with the entropy.
+    dynatemp_exponent: >= 0 (finite). top_n_sigma: None (or -1) = off, else n >= 0.
+    typical_p: in (0, 1]; 1 = off.   epsilon_cutoff, eta_cutoff: in [0, 1); 0 = off.
+    xtc_probability: in [0, 1]; 0 = off.   xtc_threshold: in [0, 1].
     """
 
     temperature: float = 1.0
@@ -112,6 +117,14 @@ class SamplingParams:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    dynatemp_range: float = 0.0
+    dynatemp_exponent: float = 1.0
+    top_n_sigma: float | None = None
+    typical_p: float = 1.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -168,6 +181,7 @@ class SamplingParams:
         put(self, "bad_words_token_ids", _bad_words(self.bad_words_token_ids))
         put(self, "stop", _stop_strings(self.stop))
         check_bool("ignore_eos", self.ignore_eos)
+        _check_full_row_fields(self)
 
     def __reduce__(self) -> tuple:
         """Pickled (and deep-copied) as its fields, remade by the constructor: `logit_bias` is a
@@ -186,6 +200,17 @@ class SamplingParams:
         """Temperature 0: the lowest id among the maxima; min-p, top-k and top-p are ignored."""
         return self.temperature == 0.0
 
+    @property
+    def full_row_fields(self) -> tuple[tuple[str, Any], ...]:
+        """(field, value) of each full-row sampler this sampled row turns on (steps 7, 10.1-10.5;
+        none on a greedy row, which ignores them)."""
+        if self.greedy:
+            return ()
+        on = (("dynatemp_range", self.dynatemp_range > 0), ("top_n_sigma", self.top_n_sigma is not None),
+              ("typical_p", self.typical_p < 1), ("epsilon_cutoff", self.epsilon_cutoff > 0),
+              ("eta_cutoff", self.eta_cutoff > 0), ("xtc_probability", self.xtc_probability > 0))
+        return tuple((name, getattr(self, name)) for name, used in on if used)
+
     def token_ids_used(self) -> Iterable[tuple[str, int]]:
         """(field name, token id) for every token id these params name, for the vocabulary check."""
         for token in self.logit_bias or ():
@@ -199,12 +224,45 @@ class SamplingParams:
                 yield "bad_words_token_ids", token
 
 
+def _check_full_row_fields(params: SamplingParams) -> None:
+    """The fields of the full-row samplers (steps 7 and 10.1-10.5), checked and stored as floats."""
+    put = object.__setattr__
+    finite = f"a float >= 0 {_FLOAT32_RANGE}"
+    dyn = check_real("dynatemp_range", params.dynatemp_range, 0.0, _FLOAT32_MAX, allowed=finite)
+    if not _float32_usable(dyn) or params.temperature + dyn > _FLOAT32_MAX:
+        raise InvalidSamplingParams("dynatemp_range", params.dynatemp_range,
+                                    f"{finite}, with temperature + dynatemp_range <= {_FLOAT32_MAX}")
+    put(params, "dynatemp_range", dyn)
+    put(params, "dynatemp_exponent", check_real("dynatemp_exponent", params.dynatemp_exponent, 0.0,
+                                                _FLOAT32_MAX, allowed="a finite float >= 0"))
+    sigma = params.top_n_sigma
+    if sigma is not None:
+        allowed = f"None or -1 (off), or a float >= 0 (at most {_FLOAT32_MAX})"
+        if is_real(sigma) and sigma == -1:
+            sigma = None
+        else:
+            sigma = check_real("top_n_sigma", sigma, 0.0, _FLOAT32_MAX, allowed=allowed)
+        put(params, "top_n_sigma", sigma)
+    put(params, "typical_p", check_real("typical_p", params.typical_p, 0.0, 1.0, low_open=True,
+                                         allowed="a float in (0, 1]"))
+    for name in ("epsilon_cutoff", "eta_cutoff"):
+        put(params, name, check_real(name, getattr(params, name), 0.0, 1.0, high_open=True,
+                                      allowed="a float in [0, 1)"))
+    for name in ("xtc_probability", "xtc_threshold"):
+        put(params, name, check_real(name, getattr(params, name), 0.0, 1.0, allowed="a float in [0, 1]"))
+
+
 def _remake_params(values: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
 
 
-def check_params_for_vocab(params: SamplingParams, vocab_size: int, max_logprobs: int) -> None:
-    """The checks that need the sampler: token ids against the vocabulary, logprobs against the cap."""
+def check_params_for_vocab(params: SamplingParams, vocab_size: int, max_logprobs: int, split: bool = False) -> None:
+    """The checks that need the sampler: token ids against the vocabulary, logprobs against the cap;
+    `split` (a vocabulary-split sampler): the full-row samplers are refused (`UnsupportedOnSplit`
+    naming the field), since no rank holds a row's whole vocabulary to sort (docs/semantics.md)."""
+    for name, value in params.full_row_fields if split else ():
+        raise UnsupportedOnSplit(name, value, "its default (off) on a vocabulary split: the full-row samplers "
+                                 "need each row's whole vocabulary on one rank")
     for name, token in params.token_ids_used():
         check_token_ids(name, (token,), vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:

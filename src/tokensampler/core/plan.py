@@ -11,12 +11,26 @@ from typing import Sequence
 
 from .params import SamplingParams
 
-# The definition's edits (steps 3-5) and filters (steps 8-10), in the definition's order, each named
+# The definition's edits (steps 3-5) and filters (steps 7-10.5), in the definition's order, each named
 # by its `StepPlan` flag. "token_bitmask" is the one edit that is a call argument, not a row
 # parameter: `StepPlan.edits(token_bitmask=...)` adds it for a masked call. Every name has one
 # torch implementation in `backends/torch_step/stages.py` (docs/architecture.md, "Adding a stage").
 EDIT_STAGES = ("allowed_ids", "token_bitmask", "bad_words", "min_tokens", "logit_bias", "penalties")
-FILTER_STAGES = ("min_p", "top_k", "top_p")
+FILTER_STAGES = ("dynatemp", "min_p", "top_k", "top_p", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc")
+# The filters whose kept set is not a threshold of z / T (or that change T per row): their rows take
+# the torch step's full-row route (`backends/torch_step/extra_filters.py`), docs/semantics.md 7, 10.1-10.5.
+FULL_ROW_STAGES = ("dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc")
+
+
+def full_row_stages(p: SamplingParams) -> tuple[str, ...]:
+    """The full-row stages (`FULL_ROW_STAGES`) a sampled row with these parameters runs, in order
+    (none for a greedy row: temperature 0 ignores every filter)."""
+    if p.greedy:
+        return ()
+    on = {"dynatemp": p.dynatemp_range > 0.0, "top_n_sigma": p.top_n_sigma is not None,
+          "typical_p": p.typical_p < 1.0, "epsilon": p.epsilon_cutoff > 0.0, "eta": p.eta_cutoff > 0.0,
+          "xtc": p.xtc_probability > 0.0}
+    return tuple(name for name in FULL_ROW_STAGES if on[name])
 
 
 def has_penalties(p: SamplingParams) -> bool:
@@ -42,6 +56,12 @@ class StepPlan:
     num_logprobs: list[int]  # -1 = row did not ask
     logprobs_width: int
     bad_words: bool = False  # a row has bad words (step 3, on the slot's recorded output)
+    dynatemp: bool = False  # a sampled row has a dynamic temperature (step 7)
+    top_n_sigma: bool = False  # steps 10.1-10.5, on sampled rows
+    typical_p: bool = False
+    epsilon: bool = False
+    eta: bool = False
+    xtc: bool = False
 
     def edits(self, token_bitmask: bool = False) -> tuple[str, ...]:
         """The edit stages (steps 3-5) some row of this plan needs, in the definition's order
@@ -51,8 +71,13 @@ class StepPlan:
 
     @property
     def filters(self) -> tuple[str, ...]:
-        """The filter stages (steps 8-10) some sampled row of this plan needs, in order (`FILTER_STAGES`)."""
+        """The filter stages (steps 7-10.5) some sampled row of this plan needs, in order (`FILTER_STAGES`)."""
         return tuple(name for name in FILTER_STAGES if getattr(self, name))
+
+    @property
+    def full_row(self) -> bool:
+        """Some sampled row needs a full-row stage (`FULL_ROW_STAGES`)."""
+        return any(getattr(self, name) for name in FULL_ROW_STAGES)
 
     @property
     def plain_greedy(self) -> bool:
@@ -92,4 +117,5 @@ def plan_step(rows: Sequence[SamplingParams], vocab_size: int, slots: Sequence[i
         num_logprobs=num_logprobs,
         logprobs_width=max(num_logprobs, default=-1),
         bad_words=any(p.bad_words_token_ids for p in rows),
+        **{name: True for b in sampled for name in full_row_stages(rows[b])},
     )

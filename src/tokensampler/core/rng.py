@@ -10,6 +10,8 @@ halves so no intermediate passes 2^49.
     u    = ((bits >> 8) + 0.5) / 2^24   in [2^-25, 1 - 2^-25], exact in float64, 24 random bits
     g    = float32(-log(-log(u)))       Gumbel noise, computed in float64
 
+    coin = U(seed, position, COIN_TOKEN, stream)                             XTC's coin, one per row
+
 `mix` is lowbias32 and `hash` is triple32 (C. Wellons' integer hash prospector).
 
 `hash32` is the definition (int64 words); `hash32_words` is the same hash on int32 words whose
@@ -31,6 +33,10 @@ TRIPLE32 = (0xED5AD4BB, 0xAC4C1B51, 0x31848BAB)
 _HASH_SHIFTS = (17, 11, 15, 14)  # xor-shift before each multiply, and the final one
 UNIFORM_BITS = 24
 UNIFORM_MASK = (1 << UNIFORM_BITS) - 1
+# The token coordinate of XTC's coin (docs/semantics.md step 10.5): above every vocabulary (ids are
+# below 2^31), so the coin is never the noise of a token of its row, and a change of the tokens'
+# noise (another id, another draw) leaves it as it was.
+COIN_TOKEN = MASK32
 
 # The extreme values of g = float32(-log(-log(u))) over the 2^24 possible u: the bound a fast path
 # uses to skip ids whose z is too far below the best kept z to ever win the Gumbel argmax.
@@ -162,3 +168,9 @@ def gumbel(seed: torch.Tensor | int, position: torch.Tensor | int, token: torch.
     """The Gumbel noise g = float32(-log(-log(U(seed, position, token, stream))))."""
     key = row_key(seed, position, stream)
     return gumbel_from_bits(random_bits(key, _as_long(token, key.device)))
+
+
+def xtc_coin(seed: torch.Tensor | int, position: torch.Tensor | int, stream: torch.Tensor | int = 0) -> torch.Tensor:
+    """XTC's coin U(seed, position, COIN_TOKEN, stream) in (0, 1), float64: the row applies XTC iff
+    coin < xtc_probability."""
+    return U(seed, position, COIN_TOKEN, stream)

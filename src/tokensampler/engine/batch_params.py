@@ -67,6 +67,14 @@ class BatchSamplingParams:
     bad_words_token_ids: Any = None
     stop: Any = None
     ignore_eos: Any = None
+    dynatemp_range: Any = None
+    dynatemp_exponent: Any = None
+    top_n_sigma: Any = None
+    typical_p: Any = None
+    epsilon_cutoff: Any = None
+    eta_cutoff: Any = None
+    xtc_probability: Any = None
+    xtc_threshold: Any = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[SamplingParams]) -> "BatchSamplingParams":
@@ -190,21 +198,45 @@ def format_sampling_params(params: Any, max_batch_size: int, *, vocab_size: int 
     greedy lanes (temperature 0) get top_k 0, top_p 1, min_p 0 (they ignore them); padding lanes are
     greedy with every other field at its default. Idempotent. Every lane is validated.
     """
+    return _columns(_format_rows(params, max_batch_size, vocab_size)[0])
+
+
+def format_requests(params: Any, max_batch_size: int, *, vocab_size: int | None = None) -> list[SamplingParams]:
+    """`format_sampling_params(params, max_batch_size, vocab_size=...).to_requests()`, the same
+    `SamplingParams` and the same errors, with each lane built once (the validation is the build)
+    whenever every formatted column reads back as one entry per lane (a scalar container of
+    another kind, such as a set of stop ids, reads back as one value for every lane: then the
+    columns are read back, as `to_requests` does)."""
+    rows, requests = _format_rows(params, max_batch_size, vocab_size)
+    formatted = _columns(rows)
+    if len(formatted.per_lane_fields()) == len(FIELDS):
+        return requests
+    return formatted.to_requests()
+
+
+def _columns(rows: list[dict[str, Any]]) -> BatchSamplingParams:
+    return BatchSamplingParams(**{name: [row[name] for row in rows] for name in FIELDS})
+
+
+def _format_rows(params: Any, max_batch_size: int, vocab_size: int | None
+                 ) -> tuple[list[dict[str, Any]], list[SamplingParams]]:
+    """The formatted lanes of `format_sampling_params` and their validated `SamplingParams`: one
+    pass over the lanes, each lane read in O(fields) (the per-lane fields are found once)."""
     check_int("max_batch_size", max_batch_size, 1)
     batch = as_batch_params(params)
     lanes = batch.num_lanes()
     lanes = max_batch_size if lanes is None else lanes
     if lanes > max_batch_size:
         raise InvalidSamplingParams("params", f"{lanes} lanes", f"at most max_batch_size={max_batch_size} lanes")
-    rows, per_lane = [], set(batch.per_lane_fields())
+    rows, requests, per_lane = [], [], set(batch.per_lane_fields())
     for b in range(max_batch_size):
         if b < lanes:
             row = _format_lane(batch.lane(b, per_lane), vocab_size)
         else:
             row = dict(PADDING_LANE)
-        _make_params(row)  # validate now, naming the field
+        requests.append(_make_params(row))  # validate now, naming the field
         rows.append(row)
-    return BatchSamplingParams(**{name: [row[name] for row in rows] for name in FIELDS})
+    return rows, requests
 
 
 def broadcast_sampling_params(params: Any, idx: int, slot_len: int) -> BatchSamplingParams:

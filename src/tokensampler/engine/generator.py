@@ -26,14 +26,14 @@ from typing import Any, Sequence
 
 import torch
 
-from ..core.checks import as_list, check_bool, check_int, check_logits, check_slots, int_list
+from ..core.checks import as_list, check_bool, check_int, check_slots, int_list
 from ..core.constants import POSITION_LIMIT
 from ..core.errors import InvalidSamplingParams, StaleSamplingState, TraceMismatch
 from ..core.output import LogprobsOutput, SamplerOutput, SpeculativeOutput
 from ..core.params import SamplingParams, check_params_for_vocab
 from ..sampler import Sampler
-from .batch_params import BatchSamplingParams, as_batch_params, format_sampling_params
-from .inputs import positions_by_slot, token_rows
+from .batch_params import BatchSamplingParams, as_batch_params, format_requests
+from .inputs import logits_batch, positions_by_slot, token_rows
 from .seeds import SeedManager, check_slot_remap, check_streams, rank_local_slot_remap
 from .tracing import StepTracer, TraceKey
 
@@ -97,6 +97,8 @@ class SamplingGenerator:
         self._occupied = [False] * n
         self._stale = [False] * n          # device params / counts of the slot out of date (host sampling)
         self._prompt_stale = [False] * n   # device prompt row belongs to another request (host remap)
+        self._sampled = [False] * n        # the slot's row is not greedy (an empty slot's never is)
+        self._num_sampled = 0              # how many are: a step forces argmax when none is, read in O(1)
         self.tracer = StepTracer(self.sampler)
         self._force_argmax: bool | None = None
         self.last_output: SamplerOutput | None = None
@@ -150,7 +152,7 @@ class SamplingGenerator:
             if batch.num_lanes() not in (None, len(slots)):
                 raise InvalidSamplingParams("sampling_params", f"{batch.num_lanes()} lanes",
                                             f"one lane per empty slot ({len(slots)})")
-            requests = self._requests(format_sampling_params(batch, len(slots), vocab_size=self.vocab_size))
+            requests = self._requests(batch, len(slots))
             prompts = token_rows("prompt_tokens", prompt_tokens, len(slots), self.vocab_size)
             outputs = None if output_tokens is None else token_rows("output_tokens", output_tokens, len(slots),
                                                                     self.vocab_size)
@@ -275,6 +277,7 @@ class SamplingGenerator:
         self._occupied = [self._occupied[j] for j in remap]
         self._prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
         self._stale = [self._stale[j] for j in remap] if sampling_mode == "device" else [True] * self.num_lanes
+        self._sampled = [self._sampled[j] for j in remap]
 
     @staticmethod
     def _remapped(prompt_stale: list[bool], remap: list[int] | None, sampling_mode: str) -> list[bool]:
@@ -317,9 +320,9 @@ class SamplingGenerator:
         """
         def check() -> tuple[int, list[int], bool]:
             check_bool("enable_trace", enable_trace)
-            batch = self._check_logits(logits)
+            batch = logits_batch(logits, self.sampler.layout.columns, self.num_lanes, self.device)
             active = self._active_lanes(active_slots, batch, "logits")
-            force_argmax = all(r.params.greedy for r in self.sampler.records_of(self.occupied_slots()))
+            force_argmax = self._num_sampled == 0  # every occupied row greedy (empty rows are)
             if enable_trace and self.agreement.shared and force_argmax == self._force_argmax:  # a flip drops all
                 self.tracer.check(logits, force_argmax)
             return batch, active, force_argmax
@@ -403,11 +406,15 @@ class SamplingGenerator:
         target = NEUTRAL_PARAMS if not self._occupied[slot] else params or self.sampler.params_of(slot)
         if self.sampler.params_of(slot) != target:
             self.sampler.set_params(slot, target)
+            sampled = not target.greedy
+            self._num_sampled += sampled - self._sampled[slot]
+            self._sampled[slot] = sampled
 
-    def _requests(self, formatted: BatchSamplingParams) -> list[SamplingParams]:
-        requests = formatted.to_requests()
+    def _requests(self, batch: BatchSamplingParams, lanes: int) -> list[SamplingParams]:
+        """`lanes` validated requests (`format_requests`: each lane built once), checked for the vocabulary."""
+        requests = format_requests(batch, lanes, vocab_size=self.vocab_size)
         for request in requests:
-            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs)
+            check_params_for_vocab(request, self.vocab_size, self.sampler.max_logprobs, self.sampler.layout.split)
         return requests
 
     def _chunk_lanes(self, chunks: Any, occupied: list[bool]) -> dict[int, SamplingParams]:
@@ -422,7 +429,7 @@ class SamplingGenerator:
         for group, chunk in enumerate(chunk_list):
             batch = as_batch_params(chunk)
             lanes = batch.num_lanes()
-            requests = self._requests(format_sampling_params(batch, self.max_batch_size, vocab_size=self.vocab_size))
+            requests = self._requests(batch, self.max_batch_size)
             for lane in range(self.max_batch_size if lanes is None else lanes):
                 slot = group * self.max_batch_size + lane
                 if occupied[slot]:
@@ -438,11 +445,3 @@ class SamplingGenerator:
             if not self._occupied[slot]:
                 raise InvalidSamplingParams(name, slot, "occupied slots (admitted by apply_prefill_state)")
         return slot_list
-
-    def _check_logits(self, logits: torch.Tensor) -> int:
-        """The batch of `logits`, fully checked (shape, dtype, device) before the step changes anything."""
-        width = self.sampler.layout.columns
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= self.num_lanes:
-            raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
-                                        f"a tensor [B, {width}] with 1 <= B <= {self.num_lanes}")
-        return check_logits(logits, width, self.device)[0]

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..core.checks import check_int, int_list
+from ..core.checks import check_int, check_logits, int_list
 from ..core.constants import POSITION_LIMIT
 from ..core.errors import InvalidSamplingParams
 
@@ -43,3 +43,12 @@ def positions_by_slot(positions: Any, live: list[int], num_lanes: int) -> dict[i
                   allowed=f"None or an int in [0, {POSITION_LIMIT})")
         out[slot] = value
     return out
+
+
+def logits_batch(logits: Any, width: int, num_lanes: int, device: torch.device) -> int:
+    """The batch of `logits` (`[B, width]`, 1 <= B <= num_lanes), fully checked (shape, dtype, device)
+    before the step changes anything."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or not 1 <= logits.shape[0] <= num_lanes:
+        raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
+                                    f"a tensor [B, {width}] with 1 <= B <= {num_lanes}")
+    return check_logits(logits, width, device)[0]

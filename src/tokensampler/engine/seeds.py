@@ -12,6 +12,7 @@ Also home of `check_slot_remap`, the validation every remap goes through before 
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Sequence
 
 import torch
@@ -27,15 +28,20 @@ def check_slot_remap(remap: Sequence[int] | torch.Tensor, num_slots: int) -> lis
     """The remap as a list, after checking: `num_slots` ints in [0, num_slots), no two equal.
 
     `remap[i] = j` means new slot i takes old slot j's state, so it must be a permutation.
+    O(num_slots), in C for a valid remap of plain ints (the entry-by-entry checks run only to name
+    the first bad entry).
     """
     values = int_list("slot_remap", remap)
     if len(values) != num_slots:
         raise InvalidSlotRemap("slot_remap", f"{len(values)} entries", f"exactly {num_slots} entries")
+    if set(map(type, values)) == {int} and min(values) >= 0 and max(values) < num_slots \
+            and len(set(values)) == num_slots:
+        return values
     for new, old in enumerate(values):
         check_int(f"slot_remap[{new}]", old, 0, num_slots - 1, allowed=f"an old slot in [0, {num_slots})",
                   error=InvalidSlotRemap)
     if len(set(values)) != num_slots:
-        taken = [j for j in set(values) if values.count(j) > 1]
+        taken = [j for j, count in Counter(values).items() if count > 1]
         raise InvalidSlotRemap("slot_remap", values, f"distinct old slots (taken twice: {sorted(taken)})")
     return values
 
@@ -144,9 +150,9 @@ class SeedManager:
         if not slots:
             return
         if self._sampler is not None:
-            held = self.streams
+            kept = self._held(slots)[2] if any(t is None for t in streams) else streams
             self._sampler.set_noise(slots, seeds, positions,
-                                    [held[s] if t is None else t for s, t in zip(slots, streams)], drawn=drawn)
+                                    [k if t is None else t for k, t in zip(kept, streams)], drawn=drawn)
             return
         for slot, seed, was_drawn, position, stream in zip(slots, seeds, drawn, positions, streams):
             self._seeds[slot], self._drawn[slot] = seed, was_drawn
@@ -154,6 +160,14 @@ class SeedManager:
                 self._positions[slot] = position
             if stream is not None:
                 self._streams[slot] = stream
+
+    def _held(self, slots: list[int]) -> tuple[list[int | None], list[bool], list[int]]:
+        """(seeds, drawn, streams) of `slots` alone: a view reads the sampler's records of those
+        slots only, so a call costs O(len(slots)) however many slots there are."""
+        if self._sampler is None:
+            return [self._seeds[s] for s in slots], [self._drawn[s] for s in slots], [self._streams[s] for s in slots]
+        records = self._sampler.records_of(slots)
+        return [r.seed for r in records], [r.drawn for r in records], [r.stream for r in records]
 
     def _advance(self, slots: list[int], counts: list[int]) -> None:
         if self._sampler is not None:
@@ -198,13 +212,12 @@ class SeedManager:
         slot_list = check_slots("slots", slots, self.num_slots)
         if len(seeds) < (max(slot_list) + 1 if slot_list else 0):
             raise InvalidSamplingParams("seeds", f"{len(seeds)} seeds", "one per slot, indexed by slot")
-        wanted = {slot: _check_seed(seeds[slot]) for slot in slot_list}
-        held_seeds, held_drawn = self.seeds, self.drawn
+        wanted = [_check_seed(seeds[slot]) for slot in slot_list]
+        held_seeds, held_drawn, _ = self._held(slot_list)
         out, fresh, fresh_seeds, fresh_drawn = [], [], [], []
-        for slot in slot_list:
-            seed, held = wanted[slot], held_seeds[slot]
+        for slot, seed, held, was_drawn in zip(slot_list, wanted, held_seeds, held_drawn):
             # an engine may echo the reported (drawn) seed back as an explicit one: the same request
-            same = held is not None and ((seed is None and held_drawn[slot]) or seed == held)
+            same = held is not None and ((seed is None and was_drawn) or seed == held)
             if not same:
                 held = self._draw() if seed is None else seed
                 fresh.append(slot)
@@ -218,9 +231,8 @@ class SeedManager:
         """Set the position counter of `slots[i]` to `positions[i]` (the next token's position)."""
         slot_list = check_slots("slots", slots, self.num_slots)
         position_list = self._check_positions(positions, slot_list)
-        seeds, drawn = self.seeds, self.drawn
-        self._write(slot_list, [seeds[s] for s in slot_list], [drawn[s] for s in slot_list], position_list,
-                    [None] * len(slot_list))
+        seeds, drawn, _ = self._held(slot_list)
+        self._write(slot_list, seeds, drawn, position_list, [None] * len(slot_list))
 
     # ------------------------------------------------------------ stepping
     def get_new_values(self, slots: Sequence[int]) -> tuple[list[int], list[int], list[int]]:
@@ -246,17 +258,16 @@ class SeedManager:
     def _coordinates(self, slots: list[int], counts: list[int]) -> tuple[list[int], list[int], list[int]]:
         """(seeds, positions, streams) of `slots`, after checking each holds a seed and stays below
         the position limit after `counts` more tokens."""
-        all_seeds = self.seeds
-        for slot in slots:
-            if all_seeds[slot] is None:
+        seeds, _, streams = self._held(slots)
+        for slot, seed in zip(slots, seeds):
+            if seed is None:
                 raise InvalidSamplingParams("slots", slot, "slots holding a seed (reset_seed first)")
         held = self.positions if self._sampler is None else self._sampler.positions_of(slots)
         positions = [held[s] for s in slots] if self._sampler is None else held
         for position, count in zip(positions, counts):
             if position + count >= POSITION_LIMIT:
                 raise InvalidSamplingParams("position", position + count, f"below {POSITION_LIMIT}")
-        streams = self.streams
-        return [all_seeds[s] for s in slots], positions, [streams[s] for s in slots]
+        return seeds, positions, streams
 
     def apply_slot_remap(self, remap: Sequence[int] | torch.Tensor) -> None:
         """New slot i takes old slot `remap[i]`'s seed, stream and position (validated first)."""

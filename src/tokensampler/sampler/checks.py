@@ -186,13 +186,13 @@ def check_moves(dst_slots: Sequence[int], src_slots: Sequence[int], check_slot: 
 def check_request(slot: int, params: SamplingParams, prompt_token_ids: Sequence[int],
                   output_token_ids: Sequence[int], position: int | None, stream: int,
                   check_slot: Callable[[int], None], vocab_size: int,
-                  max_logprobs: int) -> tuple[list[int], list[int], int]:
+                  max_logprobs: int, split: bool = False) -> tuple[list[int], list[int], int]:
     """`Sampler.add_request`'s checks: returns (prompt, outputs, position), position defaulting to
-    len(prompt) + len(outputs)."""
+    len(prompt) + len(outputs); `split`: the sampler is a vocabulary split (`check_params_for_vocab`)."""
     check_slot(slot)
     if not isinstance(params, SamplingParams):
         raise InvalidSamplingParams("params", params, "a SamplingParams")
-    check_params_for_vocab(params, vocab_size, max_logprobs)
+    check_params_for_vocab(params, vocab_size, max_logprobs, split)
     prompt = token_list("prompt_token_ids", prompt_token_ids, vocab_size)
     outputs = token_list("output_token_ids", output_token_ids, vocab_size)
     if position is None:

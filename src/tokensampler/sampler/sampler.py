@@ -136,7 +136,7 @@ class Sampler:
         """
         def check() -> tuple[list[int], list[int], int]:
             return check_request(slot, params, prompt_token_ids, output_token_ids, position, stream,
-                                 self._check_slot, self.vocab_size, self.max_logprobs)
+                                 self._check_slot, self.vocab_size, self.max_logprobs, self.layout.split)
 
         (prompt, outputs, position), (drawn,) = self.agreement.check_sharing(
             "params", check, share=[rng.fresh_seed()], key=(slot, params, stream))
@@ -156,7 +156,7 @@ class Sampler:
             self._check_occupied(slot)
             if not isinstance(params, SamplingParams):
                 raise InvalidSamplingParams("params", params, "a SamplingParams")
-            check_params_for_vocab(params, self.vocab_size, self.max_logprobs)
+            check_params_for_vocab(params, self.vocab_size, self.max_logprobs, self.layout.split)
             return params
 
         self.agreement.check("params", check, key=slot)

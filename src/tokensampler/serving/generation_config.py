@@ -36,6 +36,9 @@ FILE_SAMPLING_KEYS: dict[str, str] = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "max_new_tokens": "max_tokens",
+    "typical_p": "typical_p",  # Hugging Face's names (TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper)
+    "epsilon_cutoff": "epsilon_cutoff",
+    "eta_cutoff": "eta_cutoff",
 }
 
 # The neutral OpenAI defaults a field gets when neither the request nor the checkpoint sets it.
@@ -47,7 +50,12 @@ NEUTRAL_DEFAULTS: dict[str, float | int] = {
     "presence_penalty": 0.0,
     "frequency_penalty": 0.0,
     "repetition_penalty": 1.0,
+    "typical_p": 1.0,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
 }
+# The full-row samplers a request may set that no checkpoint file carries (llama.cpp's names).
+REQUEST_ONLY_FIELDS = ("dynatemp_range", "dynatemp_exponent", "top_n_sigma", "xtc_probability", "xtc_threshold")
 
 
 # A generation config (file or override) that cannot be used; `.source` names the file.
@@ -70,6 +78,9 @@ class GenerationDefaults:
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     max_tokens: int | None = None
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     mode: str = "auto"
     source: str | None = field(default=None, compare=False)
@@ -203,6 +214,7 @@ SAMPLING_FIELDS = frozenset({
     "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "seed", "n", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs",
     "logit_bias", "stop_token_ids", "allowed_token_ids", "stop", "ignore_eos",
+    "typical_p", "epsilon_cutoff", "eta_cutoff", *REQUEST_ONLY_FIELDS,
 })
 
 # Standard OpenAI (and common vLLM) body fields that do not change which token is sampled; they are
@@ -367,6 +379,7 @@ def resolve_request(request: Mapping[str, Any], defaults: GenerationDefaults | N
         ignore_eos=False if request.get("ignore_eos") is None else request.get("ignore_eos"),
         min_tokens=_request_int(request, "min_tokens", 0, 0, "an int >= 0"),
         max_tokens=_max_tokens(request, defaults, chat, max_model_len, prompt_len),
+        **{name: request[name] for name in REQUEST_ONLY_FIELDS if request.get(name) is not None},
     )
     try:
         resolved = SamplingParams(**params)

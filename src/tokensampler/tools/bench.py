@@ -223,10 +223,12 @@ def format_table(results: list[dict]) -> str:
 
 def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = None,
               cases: list[str] | None = None, rounds: int | None = None, log=sys.stderr,
-              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None) -> list[dict]:
+              matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None,
+              extra: dict | None = None) -> list[dict]:
     """Run the matrix (or the named cases); print progress to `log`, return per-case results.
-    `against="llama.cpp"` runs its own cases (`workloads.LLAMA_CPP_CASES`, B=1) unless cases are named; those
-    names are known only then."""
+    `extra`: more top-level entries of the JSON (e.g. the admission report). `against="llama.cpp"`
+    runs its own cases (`workloads.LLAMA_CPP_CASES`, B=1) unless cases are named; those names are
+    known only then."""
     dev = torch.device(device)
     if against == "llama.cpp" and matrix is WORKLOAD_MATRIX:
         matrix = workloads.LLAMA_CPP_CASES if cases is None else WORKLOAD_MATRIX + workloads.LLAMA_CPP_CASES
@@ -259,6 +261,7 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
                                "step": PEER_STEP.get(against)}
         # the samplers were made with compile=None: the environment's default, as resolved here
         payload["compile"] = {"enabled": BackendChoice.resolve(device=dev).compile, **compile_cache.report()}
+        payload.update(extra or {})
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=1)
     return results

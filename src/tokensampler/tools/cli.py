@@ -18,7 +18,7 @@ from typing import Callable, NoReturn, Sequence
 
 from ..core.checks import check_device, check_int
 from ..core.errors import InvalidSamplingParams, TokenSamplerError
-from . import bench, bench_distributed, bench_speculative, bench_warmup, generate_command, smollm2
+from . import bench, bench_admission, bench_distributed, bench_speculative, bench_warmup, generate_command, smollm2
 from .workloads import LLAMA_CPP_CASES, WORKLOAD_MATRIX
 
 USAGE_ERROR = 2  # the exit status of every user error (argparse's)
@@ -73,6 +73,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--speculative", action="store_true",
                         help="time speculative verification (cases speculative_match, speculative_rejection: "
                              "B=32, K=4, V=151936) against the plain step run K+1 times (bench_speculative.py)")
+    parser.add_argument("--admission", action="store_true",
+                        help="time SamplingGenerator.apply_prefill_state admitting 1, 32, 256 and 1,024 requests "
+                             "into as many lanes (CPU, V=32000; bench_admission.py); --quick's report includes it")
     return parser
 
 
@@ -85,9 +88,9 @@ def check_bench_args(args: argparse.Namespace) -> None:
             check_int(flag, value, 1, allowed="an int >= 1")
     if args.json_path is not None:
         check_output_file("--json", args.json_path)
-    if args.against == "llama.cpp" and (args.warmup or args.world is not None or args.speculative):
-        raise InvalidSamplingParams("--against", args.against, "no llama.cpp with --warmup, --world or "
-                                    "--speculative (its column times the plain step)")
+    if args.against == "llama.cpp" and (args.warmup or args.world is not None or args.speculative or args.admission):
+        raise InvalidSamplingParams("--against", args.against, "no llama.cpp with --warmup, --world, --speculative "
+                                    "or --admission (its column times the plain step)")
     if not args.cases:
         return
     plain = [c.name for c in WORKLOAD_MATRIX]
@@ -97,6 +100,9 @@ def check_bench_args(args: argparse.Namespace) -> None:
     if args.warmup:
         raise InvalidSamplingParams("--case", args.cases, "no --case with --warmup (it times one sampler over "
                                     "every batch size)")
+    if args.admission:
+        raise InvalidSamplingParams("--case", args.cases, "no --case with --admission (it times admissions of "
+                                    "1, 32, 256 and 1,024 requests)")
     if args.world is not None:
         names, what = plain, "cases of the workload matrix (with --world)"
     elif args.speculative or all(name in speculative for name in args.cases):
@@ -121,6 +127,12 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if args.json_path:
             bench_warmup.write_json(result, args.json_path)
         return 0 if result["prepared_after_warmup"] == 0 and not result["dynamo_counters_changed"] else 1
+    if args.admission:
+        report = bench_admission.run_admission_bench(rounds=args.rounds, quick=args.quick)
+        print(bench_admission.format_admission_table(report))
+        if args.json_path:
+            bench_admission.write_json(report, args.json_path)
+        return 0
     if args.world is not None:
         results = bench_distributed.run_world_bench(args.world, quick=args.quick, cases=args.cases,
                                                     rounds=args.rounds, json_path=args.json_path)
@@ -134,9 +146,14 @@ def run_bench_command(args: argparse.Namespace) -> int:
         if bad:
             print(f"speculative tokens differ from the plain sampler stepped in: {', '.join(bad)}", file=sys.stderr)
         return 1 if bad else 0
+    # --quick's report (the whole matrix) also times admissions: a few seconds on the CPU
+    admission = bench_admission.run_admission_bench(quick=True) if args.quick and not args.cases else None
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
-                              cases=args.cases, rounds=args.rounds, against=args.against)
+                              cases=args.cases, rounds=args.rounds, against=args.against,
+                              extra=None if admission is None else {"admission": admission})
     print(bench.format_table(results))
+    if admission is not None:
+        print("\n" + bench_admission.format_admission_table(admission))
     mismatched = [r["case"] for r in results if r["reference_rows_equal"] != r["rows"]]
     if mismatched:
         print(f"tokens differ from reference.py in: {', '.join(mismatched)}", file=sys.stderr)

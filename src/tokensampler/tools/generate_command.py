@@ -32,7 +32,8 @@ from ..serving.generation_config import (
 
 REQUEST_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "logprobs", "stop_token_ids", "stop",
-                 "ignore_eos")
+                 "ignore_eos", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "dynatemp_range",
+                 "dynatemp_exponent", "xtc_probability", "xtc_threshold")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -47,7 +48,10 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                         help='JSON applied over the generation config, e.g. \'{"temperature": 0.5}\'')
     for name, kind in (("temperature", float), ("top-p", float), ("top-k", int), ("min-p", float),
                        ("repetition-penalty", float), ("presence-penalty", float), ("frequency-penalty", float),
-                       ("seed", int), ("max-tokens", int), ("min-tokens", int), ("n", int)):
+                       ("seed", int), ("max-tokens", int), ("min-tokens", int), ("n", int),
+                       ("typical-p", float), ("epsilon-cutoff", float), ("eta-cutoff", float), ("top-n-sigma", float),
+                       ("dynatemp-range", float), ("dynatemp-exponent", float), ("xtc-probability", float),
+                       ("xtc-threshold", float)):
         parser.add_argument(f"--{name}", type=kind, default=None,
                             help="request field (default: the checkpoint's, else neutral)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",

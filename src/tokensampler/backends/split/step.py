@@ -28,7 +28,7 @@ from ...core.constants import NEG_INF, POS_INF
 from ...core.order import KEY_NEG_INF, key_to_float, order_key, saturate_posinf
 from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
-from ...core.plan import StepPlan
+from ...core.plan import FULL_ROW_STAGES, StepPlan
 from ...parallel.transport import Exchange
 from ...state import SamplerState
 from ..torch_step import stages
@@ -136,8 +136,12 @@ def _top_p(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: tor
 
 
 # the split's exact merge of each filter of the definition (`core.plan.FILTER_STAGES`; a filter
-# added to the definition needs its merge here: tests/split/test_distributed.py checks the names)
+# added to the definition needs its merge here, or its place in SPLIT_REFUSED:
+# tests/split/test_distributed.py checks the names)
 SPLIT_FILTERS = {"min_p": _min_p, "top_k": _top_k, "top_p": _top_p}
+# the full-row stages have no merge: a split sampler refuses their fields at admission
+# (`core.params.check_params_for_vocab(split=True)` raises `UnsupportedOnSplit` naming the field)
+SPLIT_REFUSED = FULL_ROW_STAGES
 
 
 def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,

@@ -29,7 +29,7 @@ from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...state import SamplerState
-from . import logprobs, masking, stages
+from . import extra_filters, logprobs, masking, stages
 from .argmax import block_maxima, first_argmax
 from .config import DEFAULT, TorchStepConfig
 
@@ -264,6 +264,9 @@ class TorchStep:
                      in_place: bool = True) -> torch.Tensor | None:
         """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block
         (None: `stages.filter_and_draw` declined the direct form)."""
+        if extra_filters.needed([block_params[b] for b in sampled]):  # steps 7, 10.1-10.5: the full-row route
+            return extra_filters.draw_rows(z, z_max, slots, block_params, sampled, self.state, self.config,
+                                           self.compiled)[0] if in_place else None
         everyone = len(sampled) == z.shape[0]
         zs = z if everyone else z[sampled]
         cols = stages.filter_columns(self.state, slots if everyone else slots[sampled],

@@ -14,15 +14,14 @@ from dataclasses import dataclass
 
 from ...core.checks import check_int
 from ...core.errors import InvalidSamplingParams
-from ...core.plan import EDIT_STAGES, FILTER_STAGES, StepPlan
+from ...core.plan import EDIT_STAGES, FILTER_STAGES, FULL_ROW_STAGES, StepPlan
 
 MAX_KERNEL_LOGPROBS = 20
 # the stages of the definition the kernels mirror bit for bit (`kernels.prepare_kernel`: the edits,
-# `kernels.select_kernel`: the filters); a stage added without a mirror is left out of this set
-KERNEL_STAGES = frozenset(EDIT_STAGES + FILTER_STAGES)
-# the stages of the definition the kernels mirror bit for bit (`kernels.prepare_kernel`: the edits,
-# `kernels.select_kernel`: the filters); a stage added without a mirror is left out of this set
-KERNEL_STAGES = frozenset(EDIT_STAGES + FILTER_STAGES)
+# `kernels.select_kernel`: the filters); a stage added without a mirror is left out of this set. The
+# full-row stages (dynamic temperature, top-n-sigma, typical-p, epsilon, eta, XTC) have no mirror:
+# their plans run the torch step, whose full-row route implements them (`torch_step.extra_filters`).
+KERNEL_STAGES = frozenset(EDIT_STAGES + FILTER_STAGES) - frozenset(FULL_ROW_STAGES)
 
 _triton_found: bool | None = None
 
