@@ -1,10 +1,11 @@
 """llama.cpp's own samplers (its C API through `llama_cpp`, tests/support/llama_cpp_samplers.py) on the
 same logits and histories as tokensampler's definition, one sampler at a time, at temperature 1.
 
-For tokensampler's samplers (top-k, top-p, min-p, temperature, the penalties, logit bias) the kept set
-(or the edited logits) is compared with reference.py's; for those it does not define yet (top-n-sigma,
-typical-p, dynamic temperature, XTC, Mirostat v2, DRY) with the issue's definitions, transcribed in
-tests/support/sampler_definitions.py. Where llama.cpp differs by definition (top-k and top-p ties,
+For tokensampler's samplers (top-k, top-p, min-p, temperature, the penalties, logit bias, and the
+full-row ones: top-n-sigma, typical-p, dynamic temperature, XTC) the kept set (or the edited logits)
+is compared with reference.py's, the full-row ones also with the issue's definitions transcribed in
+tests/support/sampler_definitions.py; for those it does not define (Mirostat v2, DRY) with the
+transcriptions alone. Where llama.cpp differs by definition (top-k and top-p ties,
 min_keep, the penalties' window, unclamped bias, temperature last in its chain, dynamic temperature's
 H_max) the test asserts the difference, as docs/llama-cpp.md states it.
 
@@ -310,12 +311,20 @@ def test_logit_bias_adds_the_same_and_llama_cpp_does_not_clamp():
 
 # --- samplers tokensampler does not define yet: against the issue's definitions --------------------
 
+def reference_or_definition(z: np.ndarray, definition: np.ndarray, **kw) -> set[int]:
+    """reference.py's kept set for the full-row sampler in `kw` (steps 10.1-10.5), checked equal to the
+    issue's definition transcribed in sampler_definitions.py (`definition`, a keep mask)."""
+    want = defs.reference_kept(z, params(**kw))
+    assert want == set(np.flatnonzero(definition).tolist()), kw
+    return want
+
+
 @pytest.mark.parametrize("n", [0.5, 1.0, 2.0, 3.0])
 def test_top_n_sigma(n):
     for name, z in rows():
         got = lc.apply(lc.top_n_sigma(n), z)
         assert got.ids.size == V, "top-n-sigma sets logits to -inf, it does not shrink the array"
-        assert got.kept() == set(np.flatnonzero(defs.top_n_sigma_keep(z, n)).tolist()), (name, n)
+        assert got.kept() == reference_or_definition(z, defs.top_n_sigma_keep(z, n), top_n_sigma=n), (name, n)
         assert 1 <= len(got.kept()) < np.isfinite(z).sum()
 
 
@@ -328,15 +337,15 @@ def test_top_n_sigma_at_an_exact_border():
     z = np.full(64, -np.inf, dtype=np.float32)
     z[:8] = [1, -1, 1, -1, 1, -1, 1, -1]
     assert lc.apply(lc.top_n_sigma(2.0), z).kept() == set(range(8))
-    assert set(np.flatnonzero(defs.top_n_sigma_keep(z, 2.0)).tolist()) == set(range(8))
+    assert reference_or_definition(z, defs.top_n_sigma_keep(z, 2.0), top_n_sigma=2.0) == set(range(8))
     assert lc.apply(lc.top_n_sigma(1.5), z).kept() == {0, 2, 4, 6}
-    assert set(np.flatnonzero(defs.top_n_sigma_keep(z, 1.5)).tolist()) == {0, 2, 4, 6}
+    assert reference_or_definition(z, defs.top_n_sigma_keep(z, 1.5), top_n_sigma=1.5) == {0, 2, 4, 6}
     # the population std, not the sample std: n puts id 8 between max - n std and max - n std_sample
     z[8] = -0.5
     finite = z[z > -np.inf].astype(np.float64)
     n = 1.5 / ((finite.std() + finite.std(ddof=1)) / 2)
     assert lc.apply(lc.top_n_sigma(n), z).kept() == {0, 2, 4, 6}
-    assert set(np.flatnonzero(defs.top_n_sigma_keep(z, n)).tolist()) == {0, 2, 4, 6}
+    assert reference_or_definition(z, defs.top_n_sigma_keep(z, n), top_n_sigma=n) == {0, 2, 4, 6}
 
 
 @pytest.mark.parametrize("p", [0.2, 0.5, 0.9, 0.95])
@@ -348,7 +357,7 @@ def test_typical_p(p):
         if name.startswith("masked"):
             continue  # -inf ids: test_typical_p_with_removed_ids_in_the_array
         got = lc.apply(lc.typical(p), z).kept()
-        want = set(np.flatnonzero(defs.typical_keep(z, p)).tolist())
+        want = reference_or_definition(z, defs.typical_keep(z, p), typical_p=p)
         if got != want:
             q = defs.softmax64(z)
             score = np.abs(-np.log(q) - -(q * np.log(q)).sum())
@@ -366,7 +375,7 @@ def test_typical_p_with_removed_ids_in_the_array():
     it is the definition's."""
     z = masked_row(0)
     finite = np.flatnonzero(z > -np.inf)
-    want = set(np.flatnonzero(defs.typical_keep(z, 0.9)).tolist())
+    want = reference_or_definition(z, defs.typical_keep(z, 0.9), typical_p=0.9)
     assert lc.apply(lc.typical(0.9), z).kept() != want
     compact = lc.apply(lc.typical(0.9), z[finite]).kept()
     assert {int(finite[i]) for i in compact} == want
@@ -377,7 +386,9 @@ def test_dynamic_temperature(t, delta, exponent):
     for name, z in rows()[:9]:  # rows without -inf: llama.cpp's H_max counts every candidate in the array
         got = lc.apply(lc.temp_ext(t, delta, exponent), z)
         _, want = defs.dynamic_temperature(z, t, delta, exponent)
-        np.testing.assert_allclose(got.logits_by_id(V), want, rtol=2e-5, err_msg=name)
+        ours = defs.reference_processed(z, params(temperature=t, dynatemp_range=delta, dynatemp_exponent=exponent))
+        np.testing.assert_allclose(ours, want, rtol=1e-6, err_msg=name)  # reference.py's step 7 is the definition
+        np.testing.assert_allclose(got.logits_by_id(V), ours, rtol=2e-5, err_msg=name)  # llama.cpp's float32 H
 
 
 def test_dynamic_temperature_counts_removed_ids_in_h_max():
@@ -392,14 +403,17 @@ def test_dynamic_temperature_counts_removed_ids_in_h_max():
     top = int(np.argmax(z))
     assert math.isclose(float(z[top] / got[top]), as_llama, rel_tol=1e-5)
     assert not math.isclose(as_llama, 0.5 + entropy / np.log(finite), rel_tol=1e-3)
+    ours = defs.reference_processed(z, params(temperature=1.0, dynatemp_range=0.5))
+    assert math.isclose(float(z[top] / ours[top]), 0.5 + entropy / np.log(finite), rel_tol=1e-6)
 
 
 @pytest.mark.parametrize("threshold", [0.05, 0.1, 0.2])
 def test_xtc_with_probability_one(threshold):
     removed = 0
     for name, z in rows():
-        got = lc.apply(lc.xtc(1.0, threshold), z)
-        assert got.kept() == set(np.flatnonzero(defs.xtc_keep(z, threshold)).tolist()), (name, threshold)
+        got = lc.apply(lc.xtc(1.0, threshold), z)  # probability 1: both coins apply (u < 1, chance <= 1)
+        want = reference_or_definition(z, defs.xtc_keep(z, threshold), xtc_probability=1.0, xtc_threshold=threshold)
+        assert got.kept() == want, (name, threshold)
         removed += len(got.kept()) < int(np.isfinite(z).sum())
     assert removed > 0, "some rows must have two ids above the threshold"
 
