@@ -214,10 +214,11 @@ def test_direct_route_bans_in_place_and_restores_the_logits(monkeypatch):
     """Float32 rows with bad words (and penalties) take the direct route: -inf is written at the
     banned ids of the caller's logits and the original values are back after the call."""
     from tokensampler.backends.torch_step import candidates
+    from tokensampler.backends.torch_step.routes import Values
     seen = []
     real = candidates.sample_rows
-    monkeypatch.setattr(candidates, "sample_rows",
-                        lambda *a, **k: seen.append(k.get("in_place", True)) or real(*a, **k))
+    monkeypatch.setattr(candidates, "sample_rows", lambda *a, **k: seen.append(
+        k.get("values", Values.IN_PLACE) is Values.IN_PLACE) or real(*a, **k))
     from tokensampler.tools.workloads import make_logits
     vocab = 20000
     logits = make_logits(3, vocab, seed=2)  # peaked rows: a candidate list (flat rows need the block route)
