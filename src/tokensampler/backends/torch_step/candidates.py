@@ -138,10 +138,10 @@ def sample_rows(z: torch.Tensor, z_max: torch.Tensor, cols: RowColumns, *, exact
         facts = measure_rows(z, z_max, cols, values)
     if facts.overflow:
         return Handoff(Thresholds.DENSE, None)
-    return _run(z, facts, cols, choose_thresholds(facts), facts.lower, exact_threshold)
+    return _run(z, facts, cols, choose_thresholds(facts), facts.lower, exact_threshold=exact_threshold)
 
 
-def _run(z: torch.Tensor, facts: RowFacts, cols: RowColumns, route: Thresholds, lower: torch.Tensor,
+def _run(z: torch.Tensor, facts: RowFacts, cols: RowColumns, route: Thresholds, lower: torch.Tensor, *,
          exact_threshold: bool) -> Draw | Handoff:
     """The group on `route` from the floor `lower`, each handoff followed: the whole group to the
     next route, or some rows alone (the others' draw kept)."""
@@ -150,7 +150,7 @@ def _run(z: torch.Tensor, facts: RowFacts, cols: RowColumns, route: Thresholds, 
             return Handoff(route, lower)  # run by the caller (the full-row route), or in place
         if cols.taken is not None:
             cols.taken[route, facts.values] += 1
-        outcome = _ROUTES[route](z, facts, cols, lower, exact_threshold)
+        outcome = _ROUTES[route](z, facts, cols, lower, exact_threshold=exact_threshold)
         if isinstance(outcome, Draw):
             return outcome
         if outcome.rows is None or outcome.done is None:
@@ -159,7 +159,7 @@ def _run(z: torch.Tensor, facts: RowFacts, cols: RowColumns, route: Thresholds, 
         rows = outcome.rows
         part = replace(facts, z_max=facts.z_max[rows], scale=rows_of(facts.scale, rows), lower=facts.lower[rows],
                        list_floor=facts.list_floor[rows])
-        rest = _run(z[rows], part, cols.rows(rows), outcome.route, outcome.lower[rows], exact_threshold)
+        rest = _run(z[rows], part, cols.rows(rows), outcome.route, outcome.lower[rows], exact_threshold=exact_threshold)
         if isinstance(rest, Handoff):
             return Handoff(rest.route, outcome.lower)
         tokens, tau = outcome.done
@@ -167,23 +167,23 @@ def _run(z: torch.Tensor, facts: RowFacts, cols: RowColumns, route: Thresholds, 
         return Draw(tokens, tau.index_put((rows,), rest.tau))
 
 
-def _list_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor,
+def _list_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor, *,
                 exact_threshold: bool) -> Draw | Handoff:
     """`Thresholds.LIST`: every id above the winnable floor listed (with the tail mass from the same
     pass when every row is a top-p row and nothing else filters)."""
     f, count, tail = facts.filters, None, None
     if f.every_top_p and not f.top_k and not f.min_p:
-        count, tail = row_stats.winnable_count_and_tail(z, facts.z_max, facts.list_floor, facts.scale, cols.config,
-                                                        cols.compiled)  # one pass
+        count, tail = row_stats.winnable_count_and_tail(z, facts.z_max, facts.list_floor, facts.scale,
+                                                        config=cols.config, compiled=cols.compiled)  # one pass
     listed = select.gather_candidates(z, facts.list_floor, facts.cap, count=count, scale=facts.scale,
                                       config=cols.config, compiled=cols.compiled)
     if listed is None:
         return Handoff(after_overflow(Thresholds.LIST, f), lower)
-    tau, _ = _list_thresholds(z, facts, cols, listed, lower, facts.list_floor, tail, exact_threshold)
+    tau, _ = _list_thresholds(z, facts, cols, listed, lower, facts.list_floor, tail, exact_threshold=exact_threshold)
     return _draw_listed(listed, tau, cols.keys)
 
 
-def _top_k_list_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor,
+def _top_k_list_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor, *,
                       exact_threshold: bool) -> Draw | Handoff:
     """`Thresholds.TOP_K_LIST`: the exact k-th value bounds the list to the top-k set."""
     scale = facts.scale
@@ -194,11 +194,11 @@ def _top_k_list_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower:
                                       compiled=cols.compiled)
     if listed is None:
         return Handoff(after_overflow(Thresholds.TOP_K_LIST, facts.filters), lower)
-    tau, _ = _list_thresholds(z, facts, cols, listed, lower, list_floor, None, exact_threshold)
+    tau, _ = _list_thresholds(z, facts, cols, listed, lower, list_floor, None, exact_threshold=exact_threshold)
     return _draw_listed(listed, tau, cols.keys)
 
 
-def _head_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor,
+def _head_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor, *,
                 exact_threshold: bool) -> Draw | Handoff:
     """`Thresholds.HEAD` (z / T in place): many winnable ids, but top-p may keep a few: the ids at or
     above the `top_p_head_chunks`-th largest chunk maximum are listed, and a row is done if its top-p
@@ -206,11 +206,12 @@ def _head_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch
     does not send its group's other rows down the dense route)."""
     config = cols.config
     head_lower = torch.maximum(lower, select.head_floor(z, config.top_p_head_chunks))
-    count, tail = row_stats.winnable_count_and_tail(z, facts.z_max, head_lower, None, config, cols.compiled)
+    count, tail = row_stats.winnable_count_and_tail(z, facts.z_max, head_lower, config=config, compiled=cols.compiled)
     listed = select.gather_candidates(z, head_lower, facts.cap, count=count, config=config, compiled=cols.compiled)
     if listed is None:
         return Handoff(after_overflow(Thresholds.HEAD, facts.filters), lower)
-    tau, found = _list_thresholds(z, facts, cols, listed, head_lower, head_lower, tail, exact_threshold)
+    tau, found = _list_thresholds(z, facts, cols, listed, head_lower, head_lower, tail,
+                                  exact_threshold=exact_threshold)
     if bool(found.all()):
         return _draw_listed(listed, tau, cols.keys)
     if not bool(found.any()):
@@ -223,12 +224,13 @@ def _head_route(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch
     return Handoff(Thresholds.DENSE, lower, rows=(~found).nonzero().squeeze(-1), done=Draw(tokens, tau))
 
 
-def _dense(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor, exact_threshold: bool) -> Draw:
+def _dense(z: torch.Tensor, facts: RowFacts, cols: RowColumns, lower: torch.Tensor, *,
+           exact_threshold: bool) -> Draw:
     """`Thresholds.DENSE` (z / T in place): `_dense_route` (its thresholds are exact)."""
     return Draw(*_dense_route(z, facts.z_max, lower, cols))
 
 
-_ROUTES: dict[Thresholds, Callable[[torch.Tensor, RowFacts, RowColumns, torch.Tensor, bool], Draw | Handoff]] = {
+_ROUTES: dict[Thresholds, Callable[..., Draw | Handoff]] = {  # (z, facts, cols, lower, *, exact_threshold)
     Thresholds.LIST: _list_route,
     Thresholds.TOP_K_LIST: _top_k_list_route,
     Thresholds.HEAD: _head_route,
@@ -237,7 +239,7 @@ _ROUTES: dict[Thresholds, Callable[[torch.Tensor, RowFacts, RowColumns, torch.Te
 
 
 def _list_thresholds(z: torch.Tensor, facts: RowFacts, cols: RowColumns, listed: Listed, lower: torch.Tensor,
-                     list_floor: torch.Tensor, tail: torch.Tensor | None, exact_threshold: bool
+                     list_floor: torch.Tensor, tail: torch.Tensor | None, *, exact_threshold: bool
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(tau, found) of a listed group: min-p, top-k and top-p raised into one threshold per row from
     the unsorted list (every id >= lower; exactly the ids >= list_floor in z's own units), with
@@ -254,8 +256,8 @@ def _list_thresholds(z: torch.Tensor, facts: RowFacts, cols: RowColumns, listed:
         tau = torch.maximum(tau, _top_k_on_list(z, values, count, scale, cols.top_k, need_exact))
     if not cols.any_top_p:
         return tau, None
-    return list_top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold, scale,
-                  cols.config, cols.compiled)
+    return list_top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold=exact_threshold,
+                      scale=scale, config=cols.config, compiled=cols.compiled)
 
 
 def _min_p_on_list(z: torch.Tensor, values: torch.Tensor, smallest: torch.Tensor, z_max: torch.Tensor,

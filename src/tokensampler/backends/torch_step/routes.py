@@ -252,10 +252,16 @@ def after_overflow(route: Thresholds, filters: Filters) -> Thresholds:
     return Thresholds.DENSE
 
 
+def reads_divided(masked: bool, processed: bool) -> bool:
+    """Whether a block's sampled group may be read divided where read: in a masked block (no
+    division pass) whose processed logprobs do not read z / T written out."""
+    return masked and not processed
+
+
 def choose_values(masked: bool, processed: bool, divided: RowFacts | None) -> Values:
-    """How a block's sampled group reads its values: divided where read in a masked block (no
-    division pass) unless processed logprobs need z / T written out or the group's facts in that
-    form (`divided`, measured only for masked blocks) need it; else in place."""
-    if masked and not processed and divided is not None and not group_needs_in_place(divided):
+    """How a block's sampled group reads its values: divided where read where `reads_divided`
+    allows it and the group's facts in that form (`divided`, measured only there) do not need
+    z / T written out; else in place."""
+    if reads_divided(masked, processed) and divided is not None and not group_needs_in_place(divided):
         return Values.DIVIDED_WHERE_READ
     return Values.IN_PLACE

@@ -157,7 +157,7 @@ class TorchStep:
         names = plan.edits() if Route.DIRECT in allowed else ()
         probe = Probe(routes.StepFacts(layout), z)
         probe.undo = stages.edit_cells(z, stages.StageRows(self.state, index, rows), names) if names else []
-        z_max, probe.block_max, probe.argmax = _maxima(z, all(p.greedy for p in rows))
+        z_max, probe.block_max, probe.argmax = _maxima(z, all_greedy=all(p.greedy for p in rows))
         probe.z_max, probe.valid = z_max, z_max > NEG_INF  # NaN: not valid
         valid_host = probe.valid.tolist()
         sampled = [b for b, p in enumerate(rows) if not p.greedy and valid_host[b]]
@@ -326,7 +326,7 @@ class TorchStep:
                                            self.compiled)[0]
         zs, zs_max = (z, z_max) if everyone else (z[sampled], z_max[sampled])
         divided = None
-        if masked and not processed:
+        if routes.reads_divided(masked, processed):
             divided = candidates.measure_rows(z, zs_max, cols, Values.DIVIDED_WHERE_READ,
                                               rows=None if everyone else sampled)
         values = routes.choose_values(masked, processed, divided)
@@ -388,7 +388,7 @@ class TorchStep:
         result.top_logprobs[where] = part.top_logprobs
 
 
-def _maxima(z: torch.Tensor, all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _maxima(z: torch.Tensor, *, all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(z_max, block_max, argmax): the row maxima (NaN propagates), read once; for a greedy batch
     the same read gives the first maxima too (the block maxima, or the argmax and its value where
     `block_maxima` has no block view)."""

@@ -19,9 +19,9 @@ from .config import DEFAULT, TorchStepConfig
 
 
 def list_top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: torch.Tensor, lower: torch.Tensor,
-           list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, exact_threshold: bool,
-           scale: torch.Tensor | None = None, config: TorchStepConfig = DEFAULT, compiled: bool = False
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+               list_floor: torch.Tensor, tail: torch.Tensor | None, top_p: torch.Tensor, *, exact_threshold: bool,
+               scale: torch.Tensor | None = None, config: TorchStepConfig = DEFAULT, compiled: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tau, found): tau raised to the top-p threshold of the rows with top_p < 1 (step 10), from the
     unsorted candidate list `values` (every id >= lower; exactly the ids >= list_floor in z's own
     units); found: the crossing lies in the list (rows with top_p = 1 count as found).
@@ -52,14 +52,14 @@ def list_top_p(z: torch.Tensor, z_max: torch.Tensor, values: torch.Tensor, tau: 
         total = total.index_put((rows,), select.kept_mass(rows_of(z, rows), z_max[rows], tau[rows],
                                                           rows_of(scale, rows), config))
     tau_p, found, unsure = _top_p_search(values, head, z_max, tau, top_p, total, error, top_p_rows,
-                                         exact_threshold)
+                                         exact_threshold=exact_threshold)
     if bool(unsure.any()):
         rows = unsure.nonzero().squeeze(-1)
         total = total.index_put((rows,), select.kept_mass(rows_of(z, rows), z_max[rows], tau[rows],
                                                           rows_of(scale, rows), config))
         error = error.masked_fill(unsure, 0.0)
         tau_p, found, _ = _top_p_search(values, head, z_max, tau, top_p, total, error, top_p_rows,
-                                        exact_threshold)
+                                        exact_threshold=exact_threshold)
     tau = torch.where(top_p_rows & found, torch.maximum(tau, tau_p), tau)
     if exact_threshold:
         tau = _histogram_rows(z, z_max, tau, top_p * total, top_p_rows & ~found, config=config)
@@ -90,7 +90,7 @@ def _list_mass(values: torch.Tensor, head: torch.Tensor, z_max: torch.Tensor, ta
 
 
 def _top_p_search(values: torch.Tensor, head: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
-                  top_p: torch.Tensor, total: torch.Tensor, error: torch.Tensor, top_p_rows: torch.Tensor,
+                  top_p: torch.Tensor, total: torch.Tensor, error: torch.Tensor, top_p_rows: torch.Tensor, *,
                   exact_threshold: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(tau_p, found, unsure): the threshold for the bound top_p * total, searched on the sorted
     head of the list (the whole list for rows whose bound lies past it), and the rows whose answer
