@@ -281,3 +281,26 @@ def test_batch_params_carry_bad_words_stop_and_ignore_eos():
     assert all(p.bad_words_token_ids == ((4,), (5, 6)) and p.stop == ("a", "b") for p in scalar.to_requests())
     placed = scatter_sampling_params_to_slots(BatchSamplingParams(bad_words_token_ids=[[[3]]], stop=[["z"]]), [1], 2)
     assert placed.to_requests()[1].bad_words_token_ids == ((3,),) and placed.to_requests()[0].stop == ()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_row_the_bad_words_empty_gets_its_raw_greedy_id(temperature):
+    """Float32 rows with bad words qualify for the direct route; a row whose every id the bad words
+    remove has no id left: the probe's fact sends the call to the block route, which gives it the
+    first maximum of its raw logits (valid False), as the definition does; the logits are unchanged."""
+    from tokensampler.tools.workloads import make_logits
+    vocab = 5000
+    logits = make_logits(2, vocab, seed=4)
+    logits[0] = NEG_INF
+    logits[0, 7], logits[0, 11] = 1.0, 2.0
+    before = logits.clone()
+    params = [SamplingParams(temperature=temperature, seed=1, bad_words_token_ids=[(7,), (11,)]),
+              SamplingParams(temperature=0.6, seed=2, bad_words_token_ids=[(3,)])]
+    sampler = Sampler(vocab, max_slots=2)
+    for slot, p in enumerate(params):
+        sampler.add_request(slot, p, [1])
+    got = sampler.sample(logits)
+    assert torch.equal(logits, before)
+    want = reference_sample(logits, [ReferenceRequest(p, p.seed or 0, 1, [1], []) for p in params])
+    assert got.token_ids.tolist() == want.token_ids.tolist() and got.token_ids[0] == 11
+    assert got.valid.tolist() == want.valid.tolist() == [False, True]
