@@ -140,7 +140,7 @@ class Layout:
     writable: bool  # no autograd, not an inference tensor outside inference mode
 
     @staticmethod
-    def of(logits: torch.Tensor, masked: bool) -> Layout:
+    def of(logits: torch.Tensor, *, masked: bool) -> Layout:
         """The layout of `logits` ([B, Vp])."""
         rows, width = logits.shape
         return Layout(masked=masked, float32_cpu=logits.dtype == torch.float32 and logits.device.type == "cpu",

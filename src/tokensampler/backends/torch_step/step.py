@@ -122,7 +122,7 @@ class TorchStep:
                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
         """Steps 1-12: the probe, the one choice of the route, the route. No buffer of the logits'
         size is allocated on any route."""
-        probe = self._probe(logits, index, plan, token_bitmask is not None)
+        probe = self._probe(logits, index, plan, masked=token_bitmask is not None)
         outcome: SamplerOutput | routes.Continue | None = None
         try:
             route = routes.choose_route(plan, probe.facts, self.config, self.logprobs_mode, stages.CELL_EDITS)
@@ -142,13 +142,13 @@ class TorchStep:
             return SamplerOutput(probe.greedy_tokens(), probe.valid, None)
         return self._block_route(logits, index, plan, token_bitmask)
 
-    def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, masked: bool) -> Probe:
+    def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
         """The facts `routes.choose_route` needs, measured once on the caller's logits where a route
         reading them is allowed (`routes.readable_routes`): the plan's cell edits written (direct
         route), the row maxima (and the greedy read: block maxima or the argmax), NaN or +inf,
         rows emptied, z / T underflowing a sampled row, and, where those leave the direct route
         open, each sampled group's facts read divided where read (`candidates.measure_rows`)."""
-        layout = routes.Layout.of(logits, masked)
+        layout = routes.Layout.of(logits, masked=masked)
         allowed = routes.readable_routes(plan, layout, self.config, self.logprobs_mode, stages.CELL_EDITS)
         if not allowed:
             return Probe(routes.StepFacts(layout))
