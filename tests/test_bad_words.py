@@ -214,10 +214,11 @@ def test_direct_route_bans_in_place_and_restores_the_logits(monkeypatch):
     """Float32 rows with bad words (and penalties) take the direct route: -inf is written at the
     banned ids of the caller's logits and the original values are back after the call."""
     from tokensampler.backends.torch_step import candidates
+    from tokensampler.backends.torch_step.routes import Values
     seen = []
     real = candidates.sample_rows
-    monkeypatch.setattr(candidates, "sample_rows",
-                        lambda *a, **k: seen.append(k.get("in_place", True)) or real(*a, **k))
+    monkeypatch.setattr(candidates, "sample_rows", lambda *a, **k: seen.append(
+        k.get("values", Values.IN_PLACE) is Values.IN_PLACE) or real(*a, **k))
     from tokensampler.tools.workloads import make_logits
     vocab = 20000
     logits = make_logits(3, vocab, seed=2)  # peaked rows: a candidate list (flat rows need the block route)
@@ -280,3 +281,26 @@ def test_batch_params_carry_bad_words_stop_and_ignore_eos():
     assert all(p.bad_words_token_ids == ((4,), (5, 6)) and p.stop == ("a", "b") for p in scalar.to_requests())
     placed = scatter_sampling_params_to_slots(BatchSamplingParams(bad_words_token_ids=[[[3]]], stop=[["z"]]), [1], 2)
     assert placed.to_requests()[1].bad_words_token_ids == ((3,),) and placed.to_requests()[0].stop == ()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_row_the_bad_words_empty_gets_its_raw_greedy_id(temperature):
+    """Float32 rows with bad words qualify for the direct route; a row whose every id the bad words
+    remove has no id left: the probe's fact sends the call to the block route, which gives it the
+    first maximum of its raw logits (valid False), as the definition does; the logits are unchanged."""
+    from tokensampler.tools.workloads import make_logits
+    vocab = 5000
+    logits = make_logits(2, vocab, seed=4)
+    logits[0] = NEG_INF
+    logits[0, 7], logits[0, 11] = 1.0, 2.0
+    before = logits.clone()
+    params = [SamplingParams(temperature=temperature, seed=1, bad_words_token_ids=[(7,), (11,)]),
+              SamplingParams(temperature=0.6, seed=2, bad_words_token_ids=[(3,)])]
+    sampler = Sampler(vocab, max_slots=2)
+    for slot, p in enumerate(params):
+        sampler.add_request(slot, p, [1])
+    got = sampler.sample(logits)
+    assert torch.equal(logits, before)
+    want = reference_sample(logits, [ReferenceRequest(p, p.seed or 0, 1, [1], []) for p in params])
+    assert got.token_ids.tolist() == want.token_ids.tolist() and got.token_ids[0] == 11
+    assert got.valid.tolist() == want.valid.tolist() == [False, True]

@@ -12,6 +12,7 @@ import torch
 
 from tokensampler import SamplingParams
 from tokensampler.backends.torch_step import candidates
+from tokensampler.backends.torch_step.routes import Values
 from tokensampler.core import rng
 from tokensampler.reference import ReferenceRequest, reference_sample_row
 
@@ -59,7 +60,8 @@ def test_not_in_place_rows_give_the_in_place_tokens():
         want = _reference_tokens(logits, 0.1, top_p, min_p)
         z_max = logits.amax(dim=-1)
         kept = logits.clone()
-        got = candidates.sample_rows(kept, z_max, _columns(0.1, top_p, min_p), exact_threshold=False, in_place=False)
+        got = candidates.sample_rows(kept, z_max, _columns(0.1, top_p, min_p), exact_threshold=False,
+                                       values=Values.DIVIDED_WHERE_READ)
         assert got is not None and torch.equal(kept, logits)  # nothing written
         assert got[0].tolist() == want, (top_p, min_p)
         divided = candidates.sample_rows(logits.clone(), z_max, _columns(0.1, top_p, min_p), exact_threshold=False)

@@ -20,6 +20,7 @@ from tests.support.runs import MODES, assert_same_output, run_reference, run_sam
 from tokensampler import Sampler, SamplingParams
 from tokensampler.backends.torch_step import candidates, gumbel, select
 from tokensampler.backends.torch_step.config import TorchStepConfig
+from tokensampler.backends.torch_step.routes import Values
 from tokensampler.core import rng
 
 NEG_INF = float("-inf")
@@ -214,7 +215,7 @@ def _record_routes(monkeypatch) -> list[bool]:
     real = candidates.sample_rows
 
     def spy(*args, **kw):
-        seen.append(kw.get("in_place", True))
+        seen.append(kw.get("values", Values.IN_PLACE) is Values.IN_PLACE)
         return real(*args, **kw)
 
     monkeypatch.setattr(candidates, "sample_rows", spy)

@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
@@ -120,10 +121,25 @@ def test_a_second_process_loads_what_warmup_compiled(compiled, tmp_path, monkeyp
     result = json.loads(done.stdout.strip().splitlines()[-1])
     functions = result["functions"]
     # the manifest: loads, then one pass calls every loaded function (its costlier first call)
-    assert result["warmup"]["steps"] == 3 * len(warmup.MIXES)
+    assert result["warmup"]["steps"] == sum(len(case.layouts) for case in warmup.CASES)
     assert sum(f["compiled"] for f in functions.values()) == 0, functions
     assert result["uncalled"] == [], result["uncalled"]
     assert sum(f["loaded"] for f in functions.values()) == result["warmup"]["prepared"] > 0
+
+
+def test_every_warmup_case_takes_its_route_and_every_route_is_warmed():
+    """Warm-up enumerates the routes: with the default config each case takes the route it names on
+    every one of its layouts (the step's record, `TorchStep.routes_taken`), every step route is
+    some case's target, and so is every thresholds route in every values form it can be read in."""
+    from tokensampler.backends.torch_step.routes import Route, Thresholds, Values
+    vocab = warmup.EXERCISE_VOCAB
+    taken = warmup.run_cases(vocab, vocab + 64, "raw_logprobs", None, torch.device("cpu"), compiled=False)
+    for case, routes in zip(warmup.CASES, taken):
+        assert routes[case.target] >= len(case.layouts), (case, dict(routes))
+    reachable = {*Route, *((route, Values.IN_PLACE) for route in Thresholds),
+                 (Thresholds.LIST, Values.DIVIDED_WHERE_READ), (Thresholds.TOP_K_LIST, Values.DIVIDED_WHERE_READ)}
+    assert {case.target for case in warmup.CASES} == reachable
+    assert set(sum(taken, Counter())) == reachable  # no other route exists to be missed
 
 
 def test_the_library_sets_no_environment_variable(compiled, monkeypatch):

@@ -84,10 +84,12 @@ def winnable_count_and_tail(z: torch.Tensor, z_max: torch.Tensor, floor: torch.T
     return compile_cache.maybe_compiled("count_and_tail", _count_and_tail, True)(z, z_max, floor, scale)
 
 
-def estimated_count(z: torch.Tensor, floor: torch.Tensor, stride: int = 16) -> torch.Tensor:
+def estimated_count(z: torch.Tensor, floor: torch.Tensor, stride: int = 16, rows: list[int] | None = None
+                    ) -> torch.Tensor:
     """int64 [R]: the ids with z >= floor estimated from one id in `stride` (a cheap strided read:
-    tells flat rows, whose list would be too long, from peaked ones before any full pass)."""
-    sample = z[:, ::stride]
+    tells flat rows, whose list would be too long, from peaked ones before any full pass). rows: the
+    rows of z the R floors are for (None: every row)."""
+    sample = z[:, ::stride] if rows is None else z[:, ::stride][rows]
     return (sample >= floor[:, None]).sum(dim=-1, dtype=torch.int32).to(torch.int64) * stride
 
 

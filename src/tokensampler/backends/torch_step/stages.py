@@ -26,6 +26,7 @@ function also skips a block whose rows do not need it (a host test of the rows' 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -39,6 +40,7 @@ from ...state import SamplerState
 from . import candidates, masking, penalties
 from .config import DEFAULT, TorchStepConfig
 from .indexing import read_at, write_at
+from .routes import Draw, Handoff, RowFacts, Values
 
 Cells = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (row index int64 [H], column int64 [H], value float32 [H])
 
@@ -203,23 +205,26 @@ def restore_cells(z: torch.Tensor, undo: list[Cells]) -> None:
 def filter_columns(state: SamplerState, slots: torch.Tensor, params: Sequence[SamplingParams],
                    config: TorchStepConfig = DEFAULT,
                    dense_buffer: Callable[[int], torch.Tensor] | None = None,
-                   compiled: bool = False) -> candidates.RowColumns:
+                   compiled: bool = False, taken: Counter | None = None, full_row: bool = False
+                   ) -> candidates.RowColumns:
     """The parameter columns of sampled rows (slots int64 [R], their params) for `filter_and_draw`:
     temperature, min-p, top-k, top-p, the noise keys (seed, position, stream), and which filters
-    some row needs; `compiled`: the full-row passes through the compile cache (the sampler's choice)."""
+    some row needs; `compiled`: the full-row passes through the compile cache (the sampler's choice);
+    `taken`: a counter of the thresholds routes run (the torch step's record); `full_row`: some row
+    has a full-row stage (`extra_filters.needed`)."""
     st = state
     return candidates.RowColumns(
         temperature=st.temperature[slots], min_p=st.min_p[slots], top_k=st.top_k[slots], top_p=st.top_p[slots],
         keys=rng.row_key(st.seed[slots], st.position[slots], st.stream[slots]),
         any_min_p=any(p.min_p > 0 for p in params), any_top_k=any(p.top_k > 0 for p in params),
         any_top_p=any(p.top_p < 1.0 for p in params), dense_buffer=dense_buffer, config=config,
-        compiled=compiled)
+        compiled=compiled, taken=taken, any_full_row=full_row)
 
 
 def filter_and_draw(z: torch.Tensor, z_max: torch.Tensor, cols: candidates.RowColumns, *, exact_threshold: bool,
-                    in_place: bool = True) -> tuple[torch.Tensor, torch.Tensor] | None:
+                    values: Values = Values.IN_PLACE, facts: RowFacts | None = None) -> Draw | Handoff:
     """Steps 7-11 for sampled rows: temperature, min-p, top-k and top-p as one threshold per row,
     and the Gumbel argmax over the kept ids (`candidates.sample_rows`, which documents the arguments).
-    Returns (tokens int64 [R], tau float32 [R]), the kept set being {i : z_i / T >= tau}; None when
-    `in_place` is False and the rows need the block route."""
-    return candidates.sample_rows(z, z_max, cols, exact_threshold=exact_threshold, in_place=in_place)
+    Returns `Draw(tokens int64 [R], tau float32 [R])`, the kept set being {i : z_i / T >= tau}; read
+    where divided (`values`), a `Handoff` when the rows need z / T written out (run them in place)."""
+    return candidates.sample_rows(z, z_max, cols, exact_threshold=exact_threshold, values=values, facts=facts)

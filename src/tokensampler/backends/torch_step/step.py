@@ -1,26 +1,43 @@
 """`TorchStep`: steps 1-12 of the definition in torch, without sorting the vocabulary.
 
-Float32 batches that need no edit before temperature except penalties run on the caller's logits
-(the direct route: values divided where read, penalties written at the seen ids and restored).
-Others, and flat rows, are cut into row blocks of about `TorchStepConfig.block_elements` logits, each copied once
-into a reused float32 workspace and finished while it is in cache (docs/cpu-fast-path.md):
+The step is a dispatcher (`TorchStep._sample`): a probe (`_probe`) measures what the choice needs,
+`routes.choose_route` picks one `routes.Route` for the call from the plan, those facts and the
+config, and the route's function runs it to the end:
 
-1. float32 logits, padding and NaN removed                     `stages.clean_logits`
+- `Route.PLAIN_GREEDY` (`_plain_greedy`): every row greedy with nothing to remove or add: the first
+  maximum of the caller's logits, found by the probe's own read (`first_argmax`), no copy;
+- `Route.DIRECT` (`_direct`): float32 batches whose edits all have a cell form (bad words,
+  penalties), read on the caller's logits: the cells written by the probe (`stages.edit_cells`)
+  and restored before the step returns, each group of sampled rows read divided where read;
+- `Route.BLOCK` (`_block_route`): everything else, and calls the probe's facts rule out of the
+  direct route (NaN or +inf, a row emptied, z / T underflowing a row, a group too flat for a
+  candidate list, z / T overflowing): row blocks of about `TorchStepConfig.block_elements` logits,
+  each copied once into a reused float32 workspace and finished while it is in cache.
+
+The one decision known only after the direct route's work, a candidate list longer than its cap
+(the probe's flatness estimate is strided), is the direct route's `routes.Continue`: the call
+continues on the block route, the logits as they were. Each group of sampled rows gets its
+thresholds by the routes of `candidates` (`routes.Thresholds`). The step counts every route it
+runs in `routes_taken` (warm-up reads it). The pipeline (docs/cpu-fast-path.md):
+
+1. float32 logits, padding and NaN removed                     `stages.clean_logits` (block route)
 3.-5. the plan's edits (allowed ids, the call's token bitmask, bad words, stop ids below
    min_tokens, logit bias, penalties), each one function of   `stages.apply_edits` (block route),
    `stages`, in the definition's order                        `stages.edit_cells` (direct route)
-6. greedy rows: lowest id among the maxima                      `first_argmax` (no copy if nothing to edit)
+6. greedy rows: lowest id among the maxima                      `first_argmax`
 7.-11. temperature, min-p, top-k, top-p as one threshold per row, Gumbel argmax with exact noise
    only where a token can still win                             `stages.filter_and_draw`
 2./12. raw or processed logprobs, rows that asked               `logprobs.gather_logprobs`
 
 13. the history update                                         `SamplerState.record_tokens`
 
-On a CPU the step reads small per-row results back to choose routes (documented in
-docs/cpu-fast-path.md). The routes and sizes are a `TorchStepConfig`.
+On a CPU the step reads small per-row results back to choose routes. The sizes are a `TorchStepConfig`.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,9 +46,47 @@ from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
 from ...core.plan import StepPlan
 from ...state import SamplerState
-from . import extra_filters, logprobs, masking, stages
+from . import candidates, extra_filters, logprobs, masking, routes, stages
 from .argmax import block_maxima, first_argmax
 from .config import DEFAULT, TorchStepConfig
+from .routes import Handoff, Route, RowFacts, Thresholds, Values
+
+
+@dataclass
+class Group:
+    """A group of sampled rows of the direct route: the rows, their columns, their facts."""
+
+    rows: list[int]
+    cols: candidates.RowColumns
+    facts: RowFacts
+
+
+@dataclass
+class Probe:
+    """What `TorchStep._probe` measured on the caller's logits, for the choice and the routes.
+
+    z: the logits' [B, V] view (None: nothing was read). undo: the cells written (`restore`
+    puts them back). z_max: float32 [B] row maxima after the cell edits; block_max / argmax: the
+    greedy read (`argmax.block_maxima`, or the first argmax where there is no block view)."""
+
+    facts: routes.StepFacts
+    z: torch.Tensor | None = None
+    undo: list[stages.Cells] = field(default_factory=list)
+    z_max: torch.Tensor | None = None
+    block_max: torch.Tensor | None = None
+    argmax: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    groups: list[Group] = field(default_factory=list)
+
+    def greedy_tokens(self) -> torch.Tensor:
+        """int64 [B]: each row's first maximum (every row greedy), from the probe's read."""
+        return self.argmax if self.argmax is not None else first_argmax(self.z, block_max=self.block_max)
+
+    def restore(self) -> None:
+        """Put the caller's values back where the probe wrote cells."""
+        if self.undo:
+            stages.restore_cells(self.z, self.undo)
+            self.undo = []
 
 
 class TorchStep:
@@ -49,6 +104,7 @@ class TorchStep:
         self.config = DEFAULT if config is None else config
         self._z_workspace: torch.Tensor | None = None
         self._p_workspace: torch.Tensor | None = None
+        self.routes_taken: Counter = Counter()  # each Route, and each (Thresholds, Values), run
 
     def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
             token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
@@ -64,102 +120,96 @@ class TorchStep:
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                 token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
-        """Steps 1-12: plain greedy batches on the logits themselves; else the direct route
-        (`_run_direct`) where it applies; else (or when it hands the call back) one block of
-        consecutive rows at a time through the workspace. No buffer of the logits' size is
-        allocated on any route."""
-        if token_bitmask is None and plan.plain_greedy and not plan.wants_logprobs:
-            plain = self._run_plain_greedy(logits)
-            if plain is not None:
-                return plain
-        batch = logits.shape[0]
-        device = logits.device
-        rows = list(plan.rows)
-        tokens = torch.zeros(batch, dtype=torch.int64, device=device)
-        valid = torch.ones(batch, dtype=torch.bool, device=device)
-        result = LogprobsOutput.empty((batch,), plan.logprobs_width, device) if plan.wants_logprobs else None
-        if self.config.direct_route and token_bitmask is None and self._direct_applies(logits, plan, rows):
-            if self._run_direct(logits, index, rows, plan, tokens, valid, result):
-                return SamplerOutput(tokens, valid, result)
-        elements = self.config.block_elements if token_bitmask is None else self.config.masked_block_elements
-        size = max(1, elements // self.vocab_size)
-        for start in range(0, batch, size):
-            stop = min(batch, start + size)
-            self._run_block(logits, index, rows, plan, start, stop, tokens, valid, result, token_bitmask)
-        return SamplerOutput(tokens, valid, result)
-
-    def _direct_applies(self, logits: torch.Tensor, plan: StepPlan, rows: list[SamplingParams]) -> bool:
-        """The route on the caller's logits: float32 on a CPU, every edit of the plan one with a
-        cell form (`stages.CELL_EDITS`: bad words, penalties; not allowed ids, a token bitmask,
-        min_tokens or bias) and no processed logprobs (they read the edited z). Cell edits need
-        rows that do not share memory (they are written in place and restored)."""
-        edits = plan.edits()
-        cells_only = all(name in stages.CELL_EDITS for name in edits)
-        processed = self.logprobs_mode.startswith("processed") and plan.wants_logprobs
-        if logits.dtype != torch.float32 or not cells_only or processed or logits.device.type != "cpu":
-            return False
-        if edits:
-            separate_rows = logits.stride(1) == 1 and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])
-            writable = not logits.requires_grad and (not logits.is_inference() or torch.is_inference_mode_enabled())
-            return separate_rows and writable
-        return True
-
-    def _run_direct(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
-                    tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None) -> bool:
-        """Steps 3-12 on the caller's logits, all rows at once: no workspace copy, no in-place
-        division (values are divided where they are read). The plan's cell edits (bad words: -inf
-        at the ids they ban; penalties: the penalised values at the ids a row has seen) are written
-        by `stages.edit_cells` and the original values put back before returning. Returns False,
-        having changed nothing, when a row needs the block route (NaN or +inf in the logits, a row
-        emptied, a row too flat for a candidate list)."""
-        z = logits[:, :self.vocab_size]
-        names = plan.edits()
-        undo = stages.edit_cells(z, stages.StageRows(self.state, index, rows), names) if names else []
-        if not undo:
-            return self._sample_direct(logits, z, index, rows, plan, tokens, valid, result)
+        """Steps 1-12: the probe, the one choice of the route, the route. No buffer of the logits'
+        size is allocated on any route."""
+        probe = self._probe(logits, index, plan, masked=token_bitmask is not None)
+        outcome: SamplerOutput | routes.Continue | None = None
         try:
-            done = self._sample_direct(logits, z, index, rows, plan, tokens, valid, None, edited=True)
+            route = routes.choose_route(plan, probe.facts, self.config, self.logprobs_mode, stages.CELL_EDITS)
+            if route is Route.DIRECT:
+                outcome = self._direct(index, plan, probe)
         finally:
-            stages.restore_cells(z, undo)
-        if done and result is not None:  # raw scores: after the original values are back
-            self._direct_logprobs(logits, tokens, plan, result)
-        return done
+            probe.restore()
+        if isinstance(outcome, routes.Continue):  # the second decision: known after the direct route's work
+            route = outcome.route
+        self.routes_taken[route] += 1
+        if isinstance(outcome, SamplerOutput):
+            if plan.wants_logprobs:  # raw scores: after the original values are back
+                outcome.logprobs = LogprobsOutput.empty((logits.shape[0],), plan.logprobs_width, logits.device)
+                self._direct_logprobs(logits, outcome.token_ids, plan, outcome.logprobs)
+            return outcome
+        if route is Route.PLAIN_GREEDY:
+            return SamplerOutput(probe.greedy_tokens(), probe.valid, None)
+        return self._block_route(logits, index, plan, token_bitmask)
 
-    def _sample_direct(self, logits: torch.Tensor, z: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
-                       plan: StepPlan, tokens: torch.Tensor, valid: torch.Tensor, result: LogprobsOutput | None,
-                       edited: bool = False) -> bool:
-        all_greedy = all(p.greedy for p in rows)
-        block_max = block_maxima(z) if all_greedy else None  # one read gives the max and the argmax
-        z_max = z.amax(dim=-1) if block_max is None else block_max.amax(dim=-1)
-        if not bool((torch.isfinite(z_max) | torch.isneginf(z_max)).all()):  # NaN or +inf somewhere
-            return False
-        row_valid = z_max > NEG_INF
-        valid_host = row_valid.tolist()
-        if edited and not all(valid_host):
-            return False  # a penalty overflowed a row to -inf: its raw greedy id needs the block route
-        st = self.state
+    def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
+        """The facts `routes.choose_route` needs, measured once on the caller's logits where a route
+        reading them is allowed (`routes.readable_routes`): the plan's cell edits written (direct
+        route), the row maxima (and the greedy read: block maxima or the argmax), NaN or +inf,
+        rows emptied, z / T underflowing a sampled row, and, where those leave the direct route
+        open, each sampled group's facts read divided where read (`candidates.measure_rows`)."""
+        layout = routes.Layout.of(logits, masked=masked)
+        allowed = routes.readable_routes(plan, layout, self.config, self.logprobs_mode, stages.CELL_EDITS)
+        if not allowed:
+            return Probe(routes.StepFacts(layout))
+        z = logits[:, :self.vocab_size]
+        rows = list(plan.rows)
+        names = plan.edits() if Route.DIRECT in allowed else ()
+        probe = Probe(routes.StepFacts(layout), z)
+        probe.undo = stages.edit_cells(z, stages.StageRows(self.state, index, rows), names) if names else []
+        z_max, probe.block_max, probe.argmax = _maxima(z, all_greedy=all(p.greedy for p in rows))
+        probe.z_max, probe.valid = z_max, z_max > NEG_INF  # NaN: not valid
+        valid_host = probe.valid.tolist()
         sampled = [b for b, p in enumerate(rows) if not p.greedy and valid_host[b]]
-        if sampled and bool(torch.isneginf(z_max[sampled] / st.temperature[index[sampled]]).any()):
-            return False  # z / T underflows a whole row: the block route handles the emptied row
-        row_tokens = torch.zeros_like(tokens)
-        # all rows at once without a copy; a subset of rows is copied out, a block at a time
-        groups = [sampled] if len(sampled) == len(rows) else [
-            sampled[i:i + self._block_rows] for i in range(0, len(sampled), self._block_rows)]
-        for group in groups if sampled else []:
-            drawn = self._sample_rows(z, z_max, index, rows, group, False, in_place=False)
-            if drawn is None:
-                return False
-            row_tokens[group] = drawn
+        temperature = self.state.temperature[index[sampled]]
+        facts = routes.StepFacts(layout, all_valid=all(valid_host),
+                                 finite=bool((torch.isfinite(z_max) | torch.isneginf(z_max)).all()),
+                                 emptied=bool(probe.undo) and not all(valid_host),
+                                 underflow=bool(sampled) and bool(torch.isneginf(z_max[sampled] / temperature).any()))
+        if Route.DIRECT in allowed and not routes.rows_rule_out_direct(facts):
+            probe.groups = self._direct_groups(z, z_max, index, rows, sampled)
+            facts = replace(facts, groups=tuple(g.facts for g in probe.groups))
+        probe.facts = facts
+        return probe
+
+    def _direct_groups(self, z: torch.Tensor, z_max: torch.Tensor, index: torch.Tensor,
+                       rows: list[SamplingParams], sampled: list[int]) -> list[Group]:
+        """The direct route's groups of sampled rows (all at once when every row is sampled: no copy;
+        else a block of rows at a time, each copied out) with their facts read divided where read."""
+        everyone = len(sampled) == len(rows)
+        step = len(sampled) if everyone else self._block_rows
+        groups = []
+        for start in range(0, len(sampled), max(step, 1)):
+            group = sampled[start:start + step]
+            cols = self._columns(index if everyone else index[group], [rows[b] for b in group])
+            facts = candidates.measure_rows(z, z_max if everyone else z_max[group], cols, Values.DIVIDED_WHERE_READ,
+                                            rows=None if everyone else group)
+            groups.append(Group(group, cols, facts))
+        return groups
+
+    def _direct(self, index: torch.Tensor, plan: StepPlan, probe: Probe) -> SamplerOutput | routes.Continue:
+        """`Route.DIRECT`: steps 3-11 on the caller's logits, all rows at once, with the cells the
+        probe wrote: no workspace copy, no in-place division (values are divided where they are
+        read), each group drawn from its probed facts. Logprobs are the dispatcher's (after the
+        cells are restored). A group whose candidate list overflows its cap continues the call
+        on the block route (`routes.Continue`)."""
+        z, rows = probe.z, list(plan.rows)
+        tokens = torch.zeros(z.shape[0], dtype=torch.int64, device=z.device)
+        for group in probe.groups:
+            everyone = len(group.rows) == z.shape[0]
+            drawn = stages.filter_and_draw(z if everyone else z[group.rows], probe.z_max[group.rows], group.cols,
+                                           exact_threshold=False, values=Values.DIVIDED_WHERE_READ,
+                                           facts=group.facts)
+            if isinstance(drawn, Handoff):
+                return routes.Continue(Route.BLOCK, "a candidate list is longer than its cap")
+            tokens[group.rows] = drawn.tokens
+        valid_host = probe.valid.tolist()
         greedy = [b for b, p in enumerate(rows) if p.greedy and valid_host[b]]
         if greedy and len(greedy) == len(rows):  # every row: no copy of the rows
-            row_tokens.copy_(first_argmax(z, block_max=block_max))
+            tokens.copy_(probe.greedy_tokens())
         elif greedy:
-            row_tokens[greedy] = first_argmax(z[greedy])
-        tokens.copy_(row_tokens)
-        valid.copy_(row_valid)
-        if result is not None:
-            self._direct_logprobs(logits, tokens, plan, result)
-        return True
+            tokens[greedy] = first_argmax(z[greedy])
+        return SamplerOutput(tokens, probe.valid, None)
 
     def _direct_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
                          result: LogprobsOutput) -> None:
@@ -170,17 +220,6 @@ class TorchStep:
         for start in range(0, logits.shape[0], rows_per_call):
             stop = min(logits.shape[0], start + rows_per_call)
             self._logprobs(logits, None, tokens[start:stop], plan, start, stop, result)
-
-    def _run_plain_greedy(self, logits: torch.Tensor) -> SamplerOutput | None:
-        """Greedy rows with nothing to remove or add: the first maximum of the logits themselves, no
-        copy (+inf is a maximum). None when a row's maximum is NaN or every id is -inf: the general
-        path decides those rows."""
-        real = logits[:, :self.vocab_size]
-        block_max = block_maxima(real)
-        tokens = first_argmax(real, block_max=block_max)
-        best = real.gather(-1, tokens[:, None]).squeeze(-1) if block_max is None else block_max.amax(dim=-1)
-        valid = best > NEG_INF  # NaN: False
-        return SamplerOutput(tokens, valid, None) if bool(valid.all()) else None
 
     @property
     def workspace_bytes(self) -> int:
@@ -206,82 +245,106 @@ class TorchStep:
             self._z_workspace = torch.empty((num_rows, self.vocab_size), dtype=torch.float32, device=self.device)
         return self._z_workspace[:num_rows]
 
-    def _run_block(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams],
-                   plan: StepPlan, start: int, stop: int, tokens: torch.Tensor, valid: torch.Tensor,
-                   result: LogprobsOutput | None, token_bitmask: torch.Tensor | None = None) -> None:
-        st = self.state
-        block_params = rows[start:stop]
-        slots = index[start:stop]
+    def _block_route(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
+                     token_bitmask: torch.Tensor | None) -> SamplerOutput:
+        """`Route.BLOCK`: one block of consecutive rows at a time through the workspace (blocks of
+        `masked_block_elements` logits in a masked call, else `block_elements`)."""
+        batch, device = logits.shape[0], logits.device
+        result = LogprobsOutput.empty((batch,), plan.logprobs_width, device) if plan.wants_logprobs else None
+        out = SamplerOutput(torch.zeros(batch, dtype=torch.int64, device=device),
+                            torch.ones(batch, dtype=torch.bool, device=device), result)
+        elements = self.config.block_elements if token_bitmask is None else self.config.masked_block_elements
+        size = max(1, elements // self.vocab_size)
+        rows = list(plan.rows)
+        for start in range(0, batch, size):
+            self._run_block(logits, index, rows, plan, start, min(batch, start + size), out, token_bitmask)
+        return out
+
+    def _run_block(self, logits: torch.Tensor, index: torch.Tensor, rows: list[SamplingParams], plan: StepPlan,
+                   start: int, stop: int, out: SamplerOutput, token_bitmask: torch.Tensor | None) -> None:
+        """Steps 1-12 for the rows [start, stop) in the workspace: the float32 copy (and the raw
+        logprob statistics while it is in cache), the edits, the +inf rule, greedy and sampled rows,
+        the raw greedy id of rows left without an id, logprobs."""
+        block_params, slots = rows[start:stop], index[start:stop]
         z = stages.clean_logits(self._workspace(stop - start), logits[start:stop])
-        raw_stats = self._raw_logprob_stats(z, plan, start, stop) if result is not None else None
+        raw_stats = self._raw_logprob_stats(z, plan, start, stop) if out.logprobs is not None else None
         edits = plan.edits(token_bitmask is not None)
-        may_empty = bool(edits)
         if edits:  # the block's bits are applied while its copy is in cache
             mask = None if token_bitmask is None else token_bitmask[start:stop]
-            stages.apply_edits(z, stages.StageRows(st, slots, block_params, mask, self._dense_buffer), edits)
+            stages.apply_edits(z, stages.StageRows(self.state, slots, block_params, mask, self._dense_buffer), edits)
         z_max = z.amax(dim=-1)
         if bool(torch.isposinf(z_max).any()):
             masking.saturate_posinf(z)
             z_max = z.amax(dim=-1)
         block_valid = z_max > NEG_INF
         valid_host = block_valid.tolist()
-        raw_argmax = None  # the raw greedy id of rows the edits emptied (rare: a fresh copy of them)
-        if may_empty and not all(valid_host):
-            raw_argmax = first_argmax(masking.prepare_logits(logits[start:stop], self.vocab_size))
         block_tokens = torch.zeros(stop - start, dtype=torch.int64, device=z.device)
         greedy = [b for b, p in enumerate(block_params) if p.greedy and valid_host[b]]
         if greedy:
             block_tokens[greedy] = first_argmax(z[greedy])
-        sampled = [b for b, p in enumerate(block_params) if not p.greedy and valid_host[b]]
-        processed = self.logprobs_mode.startswith("processed") and result is not None
+        sampled, gone = self._live_sampled(z, z_max, slots, block_params, valid_host, block_valid)
+        processed = self.logprobs_mode.startswith("processed") and out.logprobs is not None
         if sampled:
-            # step 7 may overflow every id of a row to -inf (tiny T): such a row has no id left
-            dead = torch.isneginf(z_max[sampled] / st.temperature[slots[sampled]]).tolist()
-            if any(dead):
-                gone = [b for b, d in zip(sampled, dead) if d]
-                sampled = [b for b, d in zip(sampled, dead) if not d]
-                block_valid[gone] = False
-                z[gone] = NEG_INF  # their processed values: z / T, every one -inf
-                if raw_argmax is None:
-                    raw_argmax = first_argmax(masking.prepare_logits(logits[start:stop], self.vocab_size))
-        if sampled:
-            drawn = None
-            if token_bitmask is not None and not processed and bool(torch.isfinite(z_max[sampled]).all()):
-                # a masked block: divided where read, as the direct route (no division pass over it)
-                drawn = self._sample_rows(z, z_max, slots, block_params, sampled, False, in_place=False)
-            if drawn is None:
-                drawn = self._sample_rows(z, z_max, slots, block_params, sampled, processed)
-            block_tokens[sampled] = drawn
-        if raw_argmax is not None:
+            block_tokens[sampled] = self._draw_block(z, z_max, slots, block_params, sampled,
+                                                     masked=token_bitmask is not None, processed=processed)
+        if gone or (edits and not all(valid_host)):  # the raw greedy id of rows with no id left (a fresh copy)
+            raw_argmax = first_argmax(masking.prepare_logits(logits[start:stop], self.vocab_size))
             block_tokens = torch.where(block_valid, block_tokens, raw_argmax)
-        tokens[start:stop] = block_tokens
-        valid[start:stop] = block_valid
-        if result is not None:
-            self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, result, raw_stats)
+        out.token_ids[start:stop] = block_tokens
+        out.valid[start:stop] = block_valid
+        if out.logprobs is not None:
+            self._logprobs(logits, z if processed else None, block_tokens, plan, start, stop, out.logprobs, raw_stats)
 
-    def _sample_rows(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
-                     block_params: list[SamplingParams], sampled: list[int], processed: bool,
-                     in_place: bool = True) -> torch.Tensor | None:
-        """Temperature, min-p, top-k, top-p and the Gumbel argmax for the sampled rows of a block
-        (None: `stages.filter_and_draw` declined the direct form)."""
-        if extra_filters.needed([block_params[b] for b in sampled]):  # steps 7, 10.1-10.5: the full-row route
-            return extra_filters.draw_rows(z, z_max, slots, block_params, sampled, self.state, self.config,
-                                           self.compiled)[0] if in_place else None
+    def _live_sampled(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
+                      block_params: list[SamplingParams], valid_host: list[bool], block_valid: torch.Tensor
+                      ) -> tuple[list[int], list[int]]:
+        """(sampled, gone): the block's sampled rows with an id left, and those z / T empties (step 7
+        may overflow every id of a row to -inf, tiny T): marked invalid, their processed values all -inf."""
+        sampled = [b for b, p in enumerate(block_params) if not p.greedy and valid_host[b]]
+        if not sampled:
+            return [], []
+        dead = torch.isneginf(z_max[sampled] / self.state.temperature[slots[sampled]]).tolist()
+        gone = [b for b, d in zip(sampled, dead) if d]
+        if gone:
+            block_valid[gone] = False
+            z[gone] = NEG_INF  # their processed values: z / T, every one -inf
+        return [b for b, d in zip(sampled, dead) if not d], gone
+
+    def _draw_block(self, z: torch.Tensor, z_max: torch.Tensor, slots: torch.Tensor,
+                    block_params: list[SamplingParams], sampled: list[int], *, masked: bool, processed: bool
+                    ) -> torch.Tensor:
+        """Steps 7-11 for the sampled rows of a block, as one group: in place, or in a masked block
+        divided where read (no division pass) where `routes.choose_values` allows it from the group's
+        facts in that form. A group read where divided whose candidate list overflows its cap (known
+        after the work) is drawn again in place: nothing was written. Processed logprobs read the
+        kept set: every other id of the block's z at -inf."""
         everyone = len(sampled) == z.shape[0]
-        zs = z if everyone else z[sampled]
-        cols = stages.filter_columns(self.state, slots if everyone else slots[sampled],
-                                     [block_params[b] for b in sampled], self.config, self._dense_buffer,
-                                     compiled=self.compiled)
-        drawn = stages.filter_and_draw(zs, z_max if everyone else z_max[sampled], cols, exact_threshold=processed,
-                                       in_place=in_place)
-        if drawn is None:
-            return None
-        tokens, tau = drawn
+        cols = self._columns(slots if everyone else slots[sampled], [block_params[b] for b in sampled])
+        if routes.plan_route(cols.filters()) is Thresholds.FULL_ROW:  # steps 7, 10.1-10.5 (z written)
+            self.routes_taken[Thresholds.FULL_ROW, Values.IN_PLACE] += 1
+            return extra_filters.draw_rows(z, z_max, slots, block_params, sampled, self.state, self.config,
+                                           self.compiled)[0]
+        zs, zs_max = (z, z_max) if everyone else (z[sampled], z_max[sampled])
+        divided = None
+        if routes.reads_divided(masked, processed):
+            divided = candidates.measure_rows(z, zs_max, cols, Values.DIVIDED_WHERE_READ,
+                                              rows=None if everyone else sampled)
+        values = routes.choose_values(masked, processed, divided)
+        drawn = stages.filter_and_draw(zs, zs_max, cols, exact_threshold=processed, values=values,
+                                       facts=divided if values is Values.DIVIDED_WHERE_READ else None)
+        if isinstance(drawn, Handoff):
+            drawn = stages.filter_and_draw(zs, zs_max, cols, exact_threshold=processed, values=Values.IN_PLACE)
         if processed:  # step 12 reads the kept set: every other id at -inf
-            zs.masked_fill_(zs < tau[:, None], NEG_INF)
+            zs.masked_fill_(zs < drawn.tau[:, None], NEG_INF)
             if not everyone:
                 z[sampled] = zs
-        return tokens
+        return drawn.tokens
+
+    def _columns(self, slots: torch.Tensor, params: list[SamplingParams]) -> candidates.RowColumns:
+        """The parameter columns of a group of sampled rows (`stages.filter_columns`), counting its routes."""
+        return stages.filter_columns(self.state, slots, params, self.config, self._dense_buffer,
+                                     compiled=self.compiled, taken=self.routes_taken,
+                                     full_row=extra_filters.needed(params))
 
     def _raw_logprob_stats(self, z: torch.Tensor, plan: StepPlan, start: int, stop: int) -> logprobs.RowStats | None:
         """Raw modes, compiled: the chunk maxima and the normaliser of the raw scores of the rows that
@@ -323,3 +386,16 @@ class TorchStep:
         result.token_ranks[where] = part.token_ranks
         result.top_token_ids[where] = part.top_token_ids
         result.top_logprobs[where] = part.top_logprobs
+
+
+def _maxima(z: torch.Tensor, *, all_greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """(z_max, block_max, argmax): the row maxima (NaN propagates), read once; for a greedy batch
+    the same read gives the first maxima too (the block maxima, or the argmax and its value where
+    `block_maxima` has no block view)."""
+    if not all_greedy:
+        return z.amax(dim=-1), None, None
+    block_max = block_maxima(z)
+    if block_max is not None:
+        return block_max.amax(dim=-1), block_max, None
+    argmax = z.argmax(dim=-1)
+    return z.gather(-1, argmax[:, None]).squeeze(-1), None, argmax

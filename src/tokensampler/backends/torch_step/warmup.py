@@ -2,17 +2,23 @@
 
 The step's compiled reductions (`compile_cache.maybe_compiled`) are prepared on their first call: one
 artefact per input layout, generic in the batch size (0, 1 and 2 included) and the vocabulary
-width, compiled once and then loaded from the on-disk cache. Which functions a step calls depends
-on its rows: peaked rows take candidate lists, flat rows the dense route, rows with many winnable
-ids but a small top-p set the head route, near-1 top-p the tail mass, logprobs of far-down tokens
-the full rank count; the caller's float32 logits (the direct route) and the block workspace have
-different layouts. `warm` runs a scratch state through each mix on each layout, so every function
-a sampler can call is prepared before serving.
+width, compiled once and then loaded from the on-disk cache. Which functions a step calls is
+decided by its routes (`routes.Route` for the step, `routes.Thresholds` x `routes.Values` for each
+group of sampled rows), by the input layout a route reads (the caller's float32 logits, whole or as
+a column slice, on the direct route; the block workspace otherwise), and within a route by the
+filters its rows combine (top-p alone takes the tail mass from the list's count, top-p beside other
+rows later; logprobs of far-down tokens the full rank count). `CASES` enumerates them: each case
+names the route it provably takes (with the default config: a test reads the step's record,
+`TorchStep.routes_taken`, and checks every case and that every route is some case's target), the
+rows that take it and the layouts it can see. `warm` runs a scratch state through each case on
+each of its layouts, so every function a sampler can call is prepared before serving.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import torch
 
@@ -20,33 +26,74 @@ from ...core.params import SamplingParams
 from ...core.plan import plan_step
 from ...state import SamplerState, VocabLayout
 from .config import TorchStepConfig
+from .routes import Route, Thresholds, Values
 from .step import TorchStep
 
-MIXES: dict[str, tuple[str, dict] | tuple[str, dict, dict]] = {  # name: (row shape, parameters[, second row's])
-    "greedy": ("peaked", dict(temperature=0.0)),
-    "greedy_penalties": ("peaked", dict(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.3)),
-    "temperature": ("peaked", dict(temperature=0.8)),
-    "top_p": ("peaked", dict(temperature=0.8, top_p=0.9)),
-    "top_k_top_p": ("peaked", dict(temperature=0.7, top_k=20, top_p=0.95)),
-    "min_p": ("peaked", dict(temperature=1.0, min_p=0.05)),
-    "penalties_top_p": ("peaked", dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3)),
-    "logprobs_top_p": ("peaked", dict(temperature=0.8, top_p=0.9, logprobs=5)),
-    "bias_top_p": ("peaked", dict(temperature=0.8, top_p=0.9, logit_bias={0: 1.0})),
-    "wide_top_p": ("peaked", dict(temperature=1.0, top_p=0.99999)),
-    "flat_top_p": ("flat", dict(temperature=1.0, top_p=0.9)),
-    "flat_logprobs": ("flat", dict(temperature=1.0, logprobs=1)),
-    "flat_temperature": ("flat", dict(temperature=1.0)),
-    "flat_min_p": ("flat", dict(temperature=1.0, min_p=1e-4, top_p=0.99)),
-    "gaussian_top_p": ("gaussian", dict(temperature=0.8, top_p=0.9)),
-    "gaussian_logprobs": ("gaussian", dict(temperature=0.8, top_p=0.9, logprobs=2)),
-    # batches whose rows differ take other passes (e.g. top-p's tail mass on its rows only)
-    "mixed_top_p_temperature": ("peaked", dict(temperature=0.8, top_p=0.9), dict(temperature=0.8)),
-    "mixed_top_p_top_k": ("peaked", dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=40, top_p=0.95)),
-    "mixed_greedy_penalties": ("peaked", dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, presence_penalty=0.5)),
-    "mixed_min_p_logprobs": ("peaked", dict(temperature=1.0, min_p=0.05), dict(temperature=0.8, top_p=0.9, logprobs=5)),
-    "mixed_flat": ("flat", dict(temperature=1.0, top_p=0.9), dict(temperature=1.0)),
-    "mixed_flat_min_p": ("flat", dict(temperature=1.0, min_p=0.05), dict(temperature=0.9, top_p=0.95, logprobs=3)),
-}
+Target = Route | tuple[Thresholds, Values]
+
+CALLER = ("float32", "float32_view")  # the caller's float32 logits, as the direct route reads them
+WORKSPACE = ("bfloat16",)  # another dtype: the block route's workspace (the plan would take the direct route)
+ALL = CALLER + WORKSPACE
+
+
+@dataclass(frozen=True)
+class Case:
+    """A warm-up step: two slots with `params` (the first, and the second's if given) on rows of
+    `shape` (peaked, flat or gaussian), run on each of `layouts`; with the default config it takes
+    `target` on every one. `masked`: the call passes a token bitmask (its first 32 ids removed)."""
+
+    target: Target
+    shape: str
+    params: tuple[dict, ...]
+    layouts: tuple[str, ...]
+    masked: bool = False
+
+
+LIST_MIXES: tuple[tuple[dict, ...], ...] = (  # peaked rows: each mix calls other passes of the candidate list
+    (dict(temperature=0.8),),
+    (dict(temperature=0.8, top_p=0.9),),  # the tail mass from the list's count (one pass)
+    (dict(temperature=0.7, top_k=20, top_p=0.95),),
+    (dict(temperature=1.0, min_p=0.05),),
+    (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, frequency_penalty=0.3),),
+    (dict(temperature=0.8, top_p=0.9, logprobs=5),),
+    (dict(temperature=0.8, top_p=0.99999),),  # the crossing below the list
+    (dict(temperature=0.8, top_p=0.9), dict(temperature=0.8)),  # the tail mass of the top-p row alone
+    (dict(temperature=0.8, top_p=0.9), dict(temperature=0.7, top_k=40, top_p=0.95)),
+    (dict(temperature=0.0), dict(temperature=0.8, top_p=0.9, presence_penalty=0.5)),  # a group copied out
+    (dict(temperature=1.0, min_p=0.05), dict(temperature=0.8, top_p=0.9, logprobs=5)),
+)
+HEAD_MIXES: tuple[tuple[dict, ...], ...] = (  # gaussian rows: many winnable ids, a small top-p set
+    (dict(temperature=0.8, top_p=0.9),),
+    (dict(temperature=0.8, top_p=0.9, logprobs=2),),
+)
+DENSE_MIXES: tuple[tuple[dict, ...], ...] = (  # flat rows: too many winnable ids for a list
+    (dict(temperature=1.0, top_p=0.9),),  # the head's crossing not found: on to the dense route
+    (dict(temperature=1.0, logprobs=1),),
+    (dict(temperature=1.0),),
+    (dict(temperature=1.0, min_p=1e-4, top_p=0.99),),
+    (dict(temperature=1.0, top_p=0.9), dict(temperature=1.0)),
+    (dict(temperature=1.0, min_p=0.05), dict(temperature=0.9, top_p=0.95, logprobs=3)),
+)
+GREEDY = dict(temperature=0.0)
+GREEDY_PENALTIES = dict(temperature=0.0, repetition_penalty=1.1, presence_penalty=0.3)
+FLAT_TOP_K = dict(temperature=1.0, top_k=50)  # flat rows with top-k: the list bounded by the k-th value
+LIST_DIVIDED, LIST_IN_PLACE = (Thresholds.LIST, Values.DIVIDED_WHERE_READ), (Thresholds.LIST, Values.IN_PLACE)
+
+CASES: tuple[Case, ...] = (
+    Case(Route.PLAIN_GREEDY, "peaked", (GREEDY,), ALL),
+    Case(Route.DIRECT, "peaked", (GREEDY_PENALTIES,), CALLER),  # the cells written, greedy rows only
+    Case(Route.BLOCK, "peaked", (GREEDY_PENALTIES,), WORKSPACE),
+    *(Case(LIST_DIVIDED, "peaked", mix, CALLER) for mix in LIST_MIXES),  # the direct route's groups
+    *(Case(LIST_IN_PLACE, "peaked", mix, WORKSPACE) for mix in LIST_MIXES),  # the block route's groups
+    Case(LIST_IN_PLACE, "peaked", (dict(temperature=0.8, top_p=0.9, logit_bias={0: 1.0}),), ALL),  # no cell form
+    Case(LIST_DIVIDED, "peaked", (dict(temperature=0.8, top_p=0.9),), CALLER, masked=True),  # a masked block
+    Case((Thresholds.TOP_K_LIST, Values.DIVIDED_WHERE_READ), "flat", (FLAT_TOP_K,), CALLER),
+    Case((Thresholds.TOP_K_LIST, Values.IN_PLACE), "flat", (FLAT_TOP_K,), WORKSPACE),
+    *(Case((Thresholds.HEAD, Values.IN_PLACE), "gaussian", mix, ALL) for mix in HEAD_MIXES),
+    *(Case((Thresholds.DENSE, Values.IN_PLACE), "flat", mix, ALL) for mix in DENSE_MIXES),
+    Case((Thresholds.DENSE, Values.IN_PLACE), "peaked", (dict(temperature=1.0, top_p=0.99999),), ALL),  # via the head
+    Case((Thresholds.FULL_ROW, Values.IN_PLACE), "peaked", (dict(temperature=0.8, top_p=0.9, typical_p=0.9),), ALL),
+)
 
 
 def _rows(shape: str, count: int, vocab: int, padded: int, generator: torch.Generator) -> torch.Tensor:
@@ -65,45 +112,50 @@ WARM_VOCAB = 65536  # widest vocabulary warm-up runs at: the compiled code is ge
 EXERCISE_VOCAB = 32768  # width of the pass that calls loaded functions once (flat rows still take the dense route)
 
 
-def _inputs(shape: str, vocab: int, padded: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """The input layouts a step meets, two rows each: float32 contiguous (the direct route on the
-    caller's logits), float32 as a column slice of a wider tensor (a caller's view), bfloat16 (the
-    block route's contiguous workspace)."""
+def _input(shape: str, layout: str, vocab: int, padded: int, generator: torch.Generator) -> torch.Tensor:
+    """Two rows of one shape in one layout: float32 contiguous, float32 as a column slice of a wider
+    tensor (a caller's view), or bfloat16 (read through the block workspace)."""
     rows = _rows(shape, 2, vocab, padded, generator)
-    wider = torch.nn.functional.pad(rows, (0, 16))[:, :padded]
-    return [rows, wider, rows.to(torch.bfloat16)]
+    if layout == "float32_view":
+        return torch.nn.functional.pad(rows, (0, 16))[:, :padded]
+    return rows.to(torch.bfloat16) if layout == "bfloat16" else rows
 
 
-def _run_mixes(vocab: int, padded: int, logprobs_mode: str, config: TorchStepConfig | None,
-               device: torch.device) -> int:
-    """Every mix of `MIXES` on every input layout of `_inputs`, through a scratch two-slot torch
-    step of this width. Returns the number of steps run."""
+def run_cases(vocab: int, padded: int, logprobs_mode: str, config: TorchStepConfig | None,
+              device: torch.device, compiled: bool = True) -> list[Counter]:
+    """Every case of `CASES` on each of its layouts, through a scratch two-slot torch step of this
+    width. Returns, per case, the routes its steps took (`TorchStep.routes_taken`)."""
     state = SamplerState(2, VocabLayout(vocab, padded), device)
-    step = TorchStep(state, logprobs_mode, config, compiled=True)
+    step = TorchStep(state, logprobs_mode, config, compiled=compiled)
     generator = torch.Generator().manual_seed(0)
     history = list(range(min(vocab, 40)))
-    steps = 0
-    for shape, *params in MIXES.values():
+    bitmask = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
+    bitmask[:, 0] = 0
+    taken = []
+    for case in CASES:
         for slot in range(2):
-            request = SamplingParams(seed=slot, **params[slot % len(params)])
+            request = SamplingParams(seed=slot, **case.params[slot % len(case.params)])
             state.admit(slot, request, slot, len(history), 0, history, history[:8], ())
         plan = plan_step([state.params[0], state.params[1]], vocab, [0, 1])
-        for logits in _inputs(shape, vocab, padded, generator):
-            step.run(logits.to(device), plan, None)
-            steps += 1
-    return steps
+        before = Counter(step.routes_taken)
+        for layout in case.layouts:
+            step.run(_input(case.shape, layout, vocab, padded, generator).to(device), plan, None,
+                     bitmask if case.masked else None)
+        taken.append(step.routes_taken - before)
+    return taken
 
 
 def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: TorchStepConfig | None = None,
          device: torch.device | str = "cpu") -> dict:
-    """Run every mix of `MIXES` through a scratch torch step with this sampler's logprobs mode and
-    config, on each input layout of `_inputs`. The compiled functions are generic in the batch size
+    """Run every case of `CASES` through a scratch torch step with this sampler's logprobs mode and
+    config, on each of its layouts. The compiled functions are generic in the batch size
     and the vocabulary width (only their layout selects an artefact: `compile_cache`), so the scratch
     vocabulary is at most WARM_VOCAB wide, with the sampler's padding. A warm-up records what it
     used (`compile_cache.save_manifest`); the next one with the same signature loads that, then runs
-    the mixes once at EXERCISE_VOCAB wide (a loaded function's first call does dynamo's first-run
+    the cases once at EXERCISE_VOCAB wide (a loaded function's first call does dynamo's first-run
     bookkeeping and touches its code for the first time: a few ms each, kept off serving steps).
-    Returns {"seconds": wall time, "steps": count, "prepared": compiled functions compiled or loaded}."""
+    Returns {"seconds": wall time, "steps": count, "prepared": compiled functions compiled or loaded,
+    "routes": {route name: steps or groups that took it}}."""
     from . import compile_cache
     start, prepared = time.perf_counter(), compile_cache.prepared()
     device = torch.device(device)
@@ -112,9 +164,16 @@ def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: To
     signature = repr((vocab, padded, logprobs_mode, config, device.type, torch.get_num_threads()))
     if compile_cache.preload_manifest(signature):
         small = min(vocab, EXERCISE_VOCAB)
-        steps = _run_mixes(small, small + padded - vocab, logprobs_mode, config, device)
+        taken = run_cases(small, small + padded - vocab, logprobs_mode, config, device)
     else:
         since = compile_cache.call_counts()
-        steps = _run_mixes(vocab, padded, logprobs_mode, config, device)
+        taken = run_cases(vocab, padded, logprobs_mode, config, device)
         compile_cache.save_manifest(signature, since)
-    return {"seconds": time.perf_counter() - start, "steps": steps, "prepared": compile_cache.prepared() - prepared}
+    routes = sum(taken, Counter())
+    return {"seconds": time.perf_counter() - start, "steps": sum(len(case.layouts) for case in CASES),
+            "prepared": compile_cache.prepared() - prepared, "routes": {route_name(r): n for r, n in routes.items()}}
+
+
+def route_name(route: Target) -> str:
+    """A route's name in the warm-up's report: "direct", or "list/divided_where_read"."""
+    return route.value if isinstance(route, Route) else "/".join(member.value for member in route)
