@@ -7,6 +7,7 @@ step never inspects the device to find out which stages its rows need.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 from .params import SamplingParams
@@ -66,8 +67,14 @@ class StepPlan:
     def edits(self, token_bitmask: bool = False) -> tuple[str, ...]:
         """The edit stages (steps 3-5) some row of this plan needs, in the definition's order
         (`EDIT_STAGES`); `token_bitmask`: the call passes a token bitmask."""
-        return tuple(name for name in EDIT_STAGES
-                     if (token_bitmask if name == "token_bitmask" else getattr(self, name)))
+        if not token_bitmask:
+            return self._row_edits
+        return tuple(name for name in EDIT_STAGES if name == "token_bitmask" or name in self._row_edits)
+
+    @cached_property
+    def _row_edits(self) -> tuple[str, ...]:
+        """The edits the rows' parameters ask for (computed once: a plan is reused from step to step)."""
+        return tuple(name for name in EDIT_STAGES if name != "token_bitmask" and getattr(self, name))
 
     @property
     def filters(self) -> tuple[str, ...]:
@@ -85,7 +92,7 @@ class StepPlan:
         row's token is the first maximum of its raw logits (a call's token bitmask aside)."""
         return not (self.sampled_rows or self.edits())
 
-    @property
+    @cached_property
     def wants_logprobs(self) -> bool:
         """Whether some row asked for logprobs."""
         return any(n >= 0 for n in self.num_logprobs)

@@ -157,8 +157,11 @@ class TorchStep:
         names = plan.edits() if Route.DIRECT in allowed else ()
         probe = Probe(routes.StepFacts(layout), z)
         probe.undo = stages.edit_cells(z, stages.StageRows(self.state, index, rows), names) if names else []
-        z_max, probe.block_max, probe.argmax = _maxima(z, all_greedy=all(p.greedy for p in rows))
+        z_max, probe.block_max, probe.argmax = _maxima(z, all_greedy=not plan.sampled_rows)
         probe.z_max, probe.valid = z_max, z_max > NEG_INF  # NaN: not valid
+        if Route.PLAIN_GREEDY in allowed and bool(probe.valid.all()):  # all plain greedy needs: one read back
+            probe.facts = routes.StepFacts(layout, all_valid=True)
+            return probe
         valid_host = probe.valid.tolist()
         sampled = [b for b, p in enumerate(rows) if not p.greedy and valid_host[b]]
         temperature = self.state.temperature[index[sampled]]
