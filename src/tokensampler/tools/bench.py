@@ -7,7 +7,9 @@ bench_vllm.py, or llama.cpp's chain, bench_llama_cpp.py, imported only then). Me
 ratios within one run are what to compare (these machines are shared and noisy). Before timing, the
 sampler's tokens on the case's first step are compared with `reference.py`, token for token, and the
 sampler warms up (`Sampler.warmup`): the rounds time the steady state, and the warm-up's seconds are
-reported apart (per case, and for the whole run under "compile").
+reported apart (per case, and for the whole run under "compile"). With `--contention N`
+(`contention.BusyProcesses`), every round is timed twice, quiet then with N spinning processes
+beside it, and each case reports its contended/quiet ratio (tokensampler's and the sort pipeline's).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
 from ..sampler import Sampler
 from . import bench_vllm, workloads
 from .bench_memory import step_memory_report
+from .contention import BusyProcesses
 from .machine import machine_info
 from .workloads import OUTPUT_LEN, WORKLOAD_MATRIX, BenchCase, make_bitmask, make_histories, make_logits
 
@@ -148,8 +151,33 @@ def time_arms(arms: dict, rounds: int, device: torch.device, warmup: int = 1) ->
     return times
 
 
+def time_arms_contended(arms: dict, rounds: int, device: torch.device,
+                        load: BusyProcesses) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(quiet, contended) milliseconds per call of each arm: each round times every arm quiet, then
+    again with `load` switched on, so both are measured side by side."""
+    quiet: dict[str, list[float]] = {name: [] for name in arms}
+    contended: dict[str, list[float]] = {name: [] for name in arms}
+    for r in range(rounds):
+        for name, values in time_arms(arms, 1, device, warmup=1 if r == 0 else 0).items():
+            quiet[name] += values
+        load.on()
+        try:
+            for name, values in time_arms(arms, 1, device, warmup=0).items():
+                contended[name] += values
+        finally:
+            load.off()
+    return quiet, contended
+
+
+def contention_report(quiet: dict[str, list[float]], contended: dict[str, list[float]], n: int) -> dict:
+    """Medians under load and each arm's contended / quiet ratio of medians."""
+    medians = {name: statistics.median(values) for name, values in contended.items()}
+    ratios = {name: medians[name] / statistics.median(quiet[name]) for name in medians}
+    return {"processes": n, "median_ms": medians, "runs_ms": contended, "ratio": ratios}
+
+
 def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int | None = None,
-             against: str | None = None) -> dict:
+             against: str | None = None, load: BusyProcesses | None = None) -> dict:
     logits = make_logits(case.batch, case.vocab, flat=case.flat, device=device)
     prompts, outputs = make_histories(case)
     bitmask = make_bitmask(logits, case.bitmask_allowed) if case.bitmask_allowed else None
@@ -178,7 +206,12 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
     if against == "llama.cpp" and device.type == "cpu" and peer_unavailable(against) is None:
         from . import bench_llama_cpp
         arms.update(bench_llama_cpp.llama_cpp_arms(case, logits) or {})
-    times = time_arms(arms, rounds, device)
+    contention = None
+    if load is None:
+        times = time_arms(arms, rounds, device)
+    else:
+        times, contended = time_arms_contended(arms, rounds, device, load)
+        contention = contention_report(times, contended, load.n)
     medians = {name: statistics.median(values) for name, values in times.items()}
     memory = step_memory_report(lambda: sampler.sample(logits, token_bitmask=bitmask), logits, case.vocab,
                                 lambda: sampler.workspace_bytes) if device.type == "cpu" else None
@@ -187,6 +220,7 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
         "flat": case.flat, "history": case.history, "rounds": rounds,
         "median_ms": medians, "runs_ms": times,
         "reference_rows_equal": equal, "rows": rows, "memory": memory, "warmup": warmup,
+        **({"contention": contention} if contention is not None else {}),
         **({"bitmask_allowed": case.bitmask_allowed,
             "mask_ratio": medians["tokensampler"] / medians["tokensampler_unmasked"]} if bitmask is not None else {}),
     }
@@ -201,10 +235,13 @@ def format_table(results: list[dict]) -> str:
     peers = [name for name in PEERS if any(name in r["median_ms"] for r in results)]
     memory = any(r.get("memory") for r in results)
     masked = any("mask_ratio" in r for r in results)
+    loaded = any("contention" in r for r in results)
     header = "| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts |"
     header += "".join(f" {PEERS[name]} ms | {PEERS[name]} / ts |" for name in peers)
     header += " mask / unmasked |" if masked else ""
     header += " peak extra / fp32 logits |" if memory else ""
+    header += (" ts loaded ms | ts loaded / quiet | sort loaded ms | sort loaded / quiet | sort / ts loaded |"
+               if loaded else "")
     header += " rows = reference |"
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in results:
@@ -217,15 +254,27 @@ def format_table(results: list[dict]) -> str:
             line += f" {r['mask_ratio']:.2f}x |" if "mask_ratio" in r else " - |"
         if memory:
             line += f" {r['memory']['ratio']:.2f} |" if r.get("memory") else " - |"
+        if loaded:
+            line += contention_cells(r.get("contention"))
         lines.append(line + f" {r['reference_rows_equal']}/{r['rows']} |")
     return "\n".join(lines)
+
+
+def contention_cells(report: dict | None) -> str:
+    """The table's cells for one case's `contention_report` (dashes without one)."""
+    if report is None:
+        return " - | - | - | - | - |"
+    m, ratio = report["median_ms"], report["ratio"]
+    return (f" {m['tokensampler']:.2f} | {ratio['tokensampler']:.2f}x | {m['sort_pipeline']:.2f} | "
+            f"{ratio['sort_pipeline']:.2f}x | {m['sort_pipeline'] / m['tokensampler']:.1f}x |")
 
 
 def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = None,
               cases: list[str] | None = None, rounds: int | None = None, log=sys.stderr,
               matrix: tuple[BenchCase, ...] = WORKLOAD_MATRIX, against: str | None = None,
-              extra: dict | None = None) -> list[dict]:
+              extra: dict | None = None, contention: int = 0) -> list[dict]:
     """Run the matrix (or the named cases); print progress to `log`, return per-case results.
+    `contention` N > 0: every round is also timed beside N busy processes (`BusyProcesses`).
     `extra`: more top-level entries of the JSON (e.g. the admission report). `against="llama.cpp"`
     runs its own cases (`workloads.LLAMA_CPP_CASES`, B=1) unless cases are named; those names are
     known only then."""
@@ -241,21 +290,11 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
     peer_note = peer_unavailable(against)
     if peer_note:
         print(peer_note, file=log, flush=True)
-    results = []
-    for i, case in enumerate(selected, 1):
-        print(f"[{i}/{len(selected)}] {case.name} (B={case.batch}, V={case.vocab}) ...", file=log, flush=True)
-        results.append(run_case(case, dev, n_rounds, check_rows, against))
-        m = results[-1]["median_ms"]
-        peer = "".join(f", {PEERS[name]} {m[name]:.2f} ms" for name in PEERS if name in m)
-        if "mask_ratio" in results[-1]:
-            peer += (f", unmasked {m['tokensampler_unmasked']:.2f} ms (mask / unmasked "
-                     f"{results[-1]['mask_ratio']:.2f}x)")
-        print(f"    tokensampler {m['tokensampler']:.2f} ms, sort pipeline {m['sort_pipeline']:.2f} ms{peer}, "
-              f"floor {m['floor']:.3f} ms, reference {results[-1]['reference_rows_equal']}/{case.batch}",
-              file=log, flush=True)
+    with BusyProcesses(contention) as load:
+        results = _run_cases(selected, dev, n_rounds, check_rows, against, load if contention else None, log)
     if json_path:
         payload = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   "machine": machine_info(dev), "quick": quick, "results": results}
+                   "machine": machine_info(dev), "quick": quick, "contention": contention, "results": results}
         if against is not None:
             payload["peer"] = {"name": against, "version": peer_version(against), "note": peer_note,
                                "step": PEER_STEP.get(against)}
@@ -264,4 +303,25 @@ def run_bench(device: str = "cpu", quick: bool = False, json_path: str | None = 
         payload.update(extra or {})
         with open(json_path, "w") as fh:
             json.dump(payload, fh, indent=1)
+    return results
+
+
+def _run_cases(selected: list[BenchCase], dev: torch.device, n_rounds: int, check_rows: int | None,
+               against: str | None, load: BusyProcesses | None, log) -> list[dict]:
+    results = []
+    for i, case in enumerate(selected, 1):
+        print(f"[{i}/{len(selected)}] {case.name} (B={case.batch}, V={case.vocab}) ...", file=log, flush=True)
+        results.append(run_case(case, dev, n_rounds, check_rows, against, load))
+        m = results[-1]["median_ms"]
+        peer = "".join(f", {PEERS[name]} {m[name]:.2f} ms" for name in PEERS if name in m)
+        if "mask_ratio" in results[-1]:
+            peer += (f", unmasked {m['tokensampler_unmasked']:.2f} ms (mask / unmasked "
+                     f"{results[-1]['mask_ratio']:.2f}x)")
+        print(f"    tokensampler {m['tokensampler']:.2f} ms, sort pipeline {m['sort_pipeline']:.2f} ms{peer}, "
+              f"floor {m['floor']:.3f} ms, reference {results[-1]['reference_rows_equal']}/{case.batch}",
+              file=log, flush=True)
+        if load is not None:
+            loaded = results[-1]["contention"]["median_ms"]
+            print(f"    with {load.n} busy process(es): tokensampler {loaded['tokensampler']:.2f} ms, "
+                  f"sort pipeline {loaded['sort_pipeline']:.2f} ms", file=log, flush=True)
     return results

@@ -73,6 +73,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--speculative", action="store_true",
                         help="time speculative verification (cases speculative_match, speculative_rejection: "
                              "B=32, K=4, V=151936) against the plain step run K+1 times (bench_speculative.py)")
+    parser.add_argument("--contention", type=int, default=0, metavar="N",
+                        help="also time every round beside N busy processes (each spins on one core) and "
+                             "report each case's contended / quiet ratio (default 0: quiet only)")
     parser.add_argument("--admission", action="store_true",
                         help="time SamplingGenerator.apply_prefill_state admitting 1, 32, 256 and 1,024 requests "
                              "into as many lanes (CPU, V=32000; bench_admission.py); --quick's report includes it")
@@ -86,6 +89,10 @@ def check_bench_args(args: argparse.Namespace) -> None:
                         ("--max-slots", args.max_slots)):
         if value is not None:
             check_int(flag, value, 1, allowed="an int >= 1")
+    check_int("--contention", args.contention, 0, allowed="an int >= 0")
+    if args.contention and (args.warmup or args.world is not None or args.speculative or args.admission):
+        raise InvalidSamplingParams("--contention", args.contention, "0 with --warmup, --world, --speculative "
+                                    "or --admission (it times the workload matrix)")
     if args.json_path is not None:
         check_output_file("--json", args.json_path)
     if args.against == "llama.cpp" and (args.warmup or args.world is not None or args.speculative or args.admission):
@@ -150,7 +157,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
     admission = bench_admission.run_admission_bench(quick=True) if args.quick and not args.cases else None
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
                               cases=args.cases, rounds=args.rounds, against=args.against,
-                              extra=None if admission is None else {"admission": admission})
+                              extra=None if admission is None else {"admission": admission},
+                              contention=args.contention)
     print(bench.format_table(results))
     if admission is not None:
         print("\n" + bench_admission.format_admission_table(admission))
