@@ -30,3 +30,21 @@ def check_allowed_against_bad_words(params: Any) -> None:
         f"allowed_token_ids {sorted(set(params.allowed_token_ids))} are all banned by bad_words "
         f"{list(params.bad_words)}: no token can be sampled (allow an id that no one-token bad word bans)",
         parameter="allowed_token_ids", value=sorted(set(params.allowed_token_ids)))
+
+
+def check_extra_args(params: Any) -> None:
+    """Refuse vLLM `SamplingParams` whose tokensampler `extra_args` fields are bad (not a number, or
+    out of range), with vLLM's validation error naming the field (the client gets a 400)."""
+    from ...core.errors import InvalidSamplingParams
+    from .params import extra_fields
+
+    try:
+        fields = extra_fields(getattr(params, "extra_args", None))
+        if fields:
+            from ...core.params import SamplingParams
+
+            SamplingParams(**fields)
+    except InvalidSamplingParams as error:
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(f"extra_args: {error}") from None

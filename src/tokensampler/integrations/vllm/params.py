@@ -5,11 +5,35 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...core.errors import InvalidSamplingParams
 from ...core.params import SamplingParams
 
 GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature (its _SAMPLING_EPS)
 # vLLM accepts any finite repetition penalty > 0 and applies it in float32: the float32 range
 PENALTY_RANGE = (2.0 ** -149, 3.4028234663852886e38)  # the smallest subnormal, the largest finite float32
+
+
+# tokensampler fields read from vLLM's `SamplingParams.extra_args` (`vllm_xargs` in OpenAI requests),
+# by their tokensampler names; any other key is left to other plugins
+EXTRA_ARGS_FIELDS = ("dynatemp_range", "dynatemp_exponent", "top_n_sigma", "typical_p", "epsilon_cutoff",
+                     "eta_cutoff", "xtc_probability", "xtc_threshold")
+
+
+def extra_fields(extra_args: Any) -> dict[str, float]:
+    """The `EXTRA_ARGS_FIELDS` of `extra_args` (None: none) as floats; vllm_xargs values arrive as
+    str, int or float: a value that is not a number raises `InvalidSamplingParams` naming the field."""
+    out: dict[str, float] = {}
+    for name in EXTRA_ARGS_FIELDS:
+        if not extra_args or name not in extra_args:
+            continue
+        value = extra_args[name]
+        try:
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise ValueError
+            out[name] = float(value)
+        except ValueError:
+            raise InvalidSamplingParams(name, value, "a number (an int, float or numeric string)") from None
+    return out
 
 
 def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:
@@ -43,4 +67,5 @@ def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:
         min_tokens=min_tokens,
         stop_token_ids=stop_ids,
         bad_words_token_ids=[list(w) for w in (params.bad_words_token_ids or ())],
+        **extra_fields(getattr(params, "extra_args", None)),
     )
