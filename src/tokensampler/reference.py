@@ -18,6 +18,7 @@ import torch
 
 from .core import rng
 from .core.constants import LOGPROBS_MODES, NEG_INF
+from .core.dry import dry_max_exponent, dry_window
 from .core.order import saturate_posinf
 from .core.output import LogprobsOutput, SamplerOutput
 from .core.params import SamplingParams
@@ -64,6 +65,53 @@ def bad_word_ids(params: SamplingParams, output_token_ids: Sequence[int]) -> set
         if len(prefix) <= len(out) and out[len(out) - len(prefix):] == prefix:
             removed.add(word[-1])
     return removed
+
+
+def dry_repeat_lengths(params: SamplingParams, history: Sequence[int]) -> dict[int, int]:
+    """Step 5.1's L per token (llama.cpp's DRY, written the obvious way): over the last N tokens of
+    `history` (prompt + output), for each k in [1, N - 1] the length of the longest suffix that also
+    ends k tokens before the end (inside the window), capped by the tokens after the latest breaker;
+    the token after that earlier occurrence gets the largest such length. Only L >= allowed_length kept."""
+    n = dry_window(params.dry_penalty_last_n, len(history))
+    window = list(history)[len(history) - n:]
+    rat = lambda i: window[n - 1 - i]  # noqa: E731  (i tokens back from the newest)
+    rep_limit = n
+    for i in range(n):  # the breaker whose head is nearest the end; the longest tail among those at i
+        tails = [len(b) - 1 for b in params.dry_sequence_breakers
+                 if b[0] == rat(i) and len(b) - 1 <= i and all(b[1 + o] == rat(i - o - 1) for o in range(len(b) - 1))]
+        if tails:
+            rep_limit = i - max(tails)
+            break
+    lengths: dict[int, int] = {}
+    for k in range(1, n):
+        match = 0
+        while match + k < n and rat(match) == rat(match + k):
+            match += 1
+        match = min(match, rep_limit)
+        if match >= params.dry_allowed_length:
+            token = rat(k - 1)
+            lengths[token] = max(lengths.get(token, 0), match)
+    return lengths
+
+
+def apply_dry(z: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
+    """Step 5.1: z_t = float32(z_t - multiplier * base^min(L_t - allowed_length, cap)), the penalty
+    in float64 from the float32 parameters (llama.cpp's pow in double), the cap `dry_max_exponent`."""
+    if not params.dry:
+        return z
+    z = z.clone()
+    multiplier = float(torch.tensor(params.dry_multiplier, dtype=torch.float32))
+    base = float(torch.tensor(params.dry_base, dtype=torch.float32))
+    cap = dry_max_exponent(params.dry_base)
+    for token, length in dry_repeat_lengths(params, history).items():
+        if token >= z.numel():
+            continue
+        exponent = length - params.dry_allowed_length
+        if cap > 0 and exponent > cap:
+            exponent = cap
+        penalised = float(z[token]) - multiplier * base ** exponent
+        z[token] = torch.tensor(penalised, dtype=torch.float64).to(torch.float32)
+    return z
 
 
 def _mass_and_count_above(z: torch.Tensor, p: torch.Tensor, kept: torch.Tensor):
@@ -220,6 +268,8 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
     z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
     z = z - torch.tensor(params.frequency_penalty, dtype=torch.float32) * counts
     z = z - torch.tensor(params.presence_penalty, dtype=torch.float32) * (counts > 0).to(torch.float32)
+    # 5.1 DRY, on prompt + output
+    z = apply_dry(z, params, [*request.prompt_token_ids, *request.output_token_ids])
     z = saturate_posinf(z)
     kept = ~torch.isneginf(z)
     valid = bool(kept.any())

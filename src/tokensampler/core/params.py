@@ -15,6 +15,7 @@ from typing import Any, Iterable, Mapping
 
 from .checks import as_list, check_bool, check_int, check_real, check_token_ids, is_int, is_real
 from .constants import INT64_MIN, LOGIT_BIAS_LIMIT, UINT64_MAX
+from .dry import DRY_MAX_BREAKER_LENGTH, DRY_MAX_HISTORY
 from .errors import InvalidSamplingParams, UnsupportedOnSplit
 
 
@@ -97,6 +98,10 @@ class SamplingParams:
     dynatemp_exponent: >= 0 (finite). top_n_sigma: None (or -1) = off, else n >= 0.
     typical_p: in (0, 1]; 1 = off.   epsilon_cutoff, eta_cutoff: in [0, 1); 0 = off.
     xtc_probability: in [0, 1]; 0 = off.   xtc_threshold: in [0, 1].
+    DRY (docs/semantics.md 5.1, on greedy rows too): dry_multiplier >= 0 (finite float32), 0 = off;
+    dry_base >= 1 (finite float32); dry_allowed_length int >= 1; dry_penalty_last_n: -1 = the whole
+    history (prompt + output, at most DRY_MAX_HISTORY = 8192 tokens), 0 = off, else the last n tokens
+    (at most 8192); dry_sequence_breakers: token-id sequences (head, *tail) a match cannot cross.
     """
 
     temperature: float = 1.0
@@ -125,6 +130,11 @@ class SamplingParams:
     eta_cutoff: float = 0.0
     xtc_probability: float = 0.0
     xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -182,6 +192,7 @@ class SamplingParams:
         put(self, "stop", _stop_strings(self.stop))
         check_bool("ignore_eos", self.ignore_eos)
         _check_full_row_fields(self)
+        _check_dry_fields(self)
 
     def __reduce__(self) -> tuple:
         """Pickled (and deep-copied) as its fields, remade by the constructor: `logit_bias` is a
@@ -222,6 +233,14 @@ class SamplingParams:
         for word in self.bad_words_token_ids:
             for token in word:
                 yield "bad_words_token_ids", token
+        for breaker in self.dry_sequence_breakers:
+            for token in breaker:
+                yield "dry_sequence_breakers", token
+
+    @property
+    def dry(self) -> bool:
+        """Whether DRY (step 5.1) is on: a multiplier > 0 and a window (dry_penalty_last_n != 0)."""
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
 
 
 def _check_full_row_fields(params: SamplingParams) -> None:
@@ -252,6 +271,31 @@ def _check_full_row_fields(params: SamplingParams) -> None:
         put(params, name, check_real(name, getattr(params, name), 0.0, 1.0, allowed="a float in [0, 1]"))
 
 
+def _check_dry_fields(params: SamplingParams) -> None:
+    """The DRY fields (docs/semantics.md 5.1), checked and stored as floats, ints and id tuples."""
+    put = object.__setattr__
+    put(params, "dry_multiplier", check_real("dry_multiplier", params.dry_multiplier, 0.0, _FLOAT32_MAX,
+                                             allowed=f"a float >= 0 (at most {_FLOAT32_MAX}); 0 = off"))
+    put(params, "dry_base", check_real("dry_base", params.dry_base, 1.0, _FLOAT32_MAX,
+                                       allowed=f"a float >= 1 (at most {_FLOAT32_MAX})"))
+    put(params, "dry_allowed_length", check_int("dry_allowed_length", params.dry_allowed_length, 1,
+                                                allowed="an int >= 1"))
+    put(params, "dry_penalty_last_n", check_int("dry_penalty_last_n", params.dry_penalty_last_n, -1,
+                                                DRY_MAX_HISTORY, allowed=f"-1 (the whole history), 0 (off) "
+                                                f"or an int in [1, {DRY_MAX_HISTORY}]"))
+    breakers = params.dry_sequence_breakers
+    allowed = f"a sequence of non-empty sequences of token ids, each at most {DRY_MAX_BREAKER_LENGTH} long"
+    out = []
+    for seq in as_list("dry_sequence_breakers", breakers, allowed):
+        if isinstance(seq, (str, bytes)):
+            raise InvalidSamplingParams("dry_sequence_breakers", seq, allowed)
+        tokens = _token_tuple("dry_sequence_breakers", seq)
+        if not tokens or len(tokens) > DRY_MAX_BREAKER_LENGTH:
+            raise InvalidSamplingParams("dry_sequence_breakers", seq, allowed)
+        out.append(tokens)
+    put(params, "dry_sequence_breakers", tuple(out))
+
+
 def _remake_params(values: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**values)
 
@@ -263,6 +307,9 @@ def check_params_for_vocab(params: SamplingParams, vocab_size: int, max_logprobs
     for name, value in params.full_row_fields if split else ():
         raise UnsupportedOnSplit(name, value, "its default (off) on a vocabulary split: the full-row samplers "
                                  "need each row's whole vocabulary on one rank")
+    if params.dry:  # the stage is defined (reference.py, docs/semantics.md 5.1), not yet in the steps
+        raise InvalidSamplingParams("dry_multiplier", params.dry_multiplier,
+                                    "0 (off): the Sampler's steps do not run DRY (step 5.1) yet")
     for name, token in params.token_ids_used():
         check_token_ids(name, (token,), vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:

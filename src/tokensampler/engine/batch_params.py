@@ -3,9 +3,9 @@
 Every field of `SamplingParams` is either one value for every lane (a scalar) or a `list` with one
 entry per lane; `None` (alone or in a list) means the field's default. Sequence fields
 (`allowed_token_ids`, `stop_token_ids`, `stop`) are per lane when given as a list of sequences (or
-Nones), `bad_words_token_ids` when given as a list whose entries are sequences of sequences (or
-Nones), `logit_bias` when given as a list of mappings (or Nones). A list of strings is one `stop`
-for every lane. The helpers pad, clamp, broadcast, split,
+Nones), `bad_words_token_ids` and `dry_sequence_breakers` when given as a list whose entries are
+sequences of sequences (or Nones), `logit_bias` when given as a list of mappings (or Nones). A list
+of strings is one `stop` for every lane. The helpers pad, clamp, broadcast, split,
 scatter and slice these columns; `to_requests` turns lanes back into validated `SamplingParams`.
 """
 
@@ -22,7 +22,7 @@ from ..core.params import SamplingParams
 
 FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(SamplingParams))
 SEQUENCE_FIELDS = ("allowed_token_ids", "stop_token_ids", "stop")
-NESTED_FIELDS = ("bad_words_token_ids",)  # a sequence of sequences per lane
+NESTED_FIELDS = ("bad_words_token_ids", "dry_sequence_breakers")  # a sequence of sequences per lane
 MAPPING_FIELDS = ("logit_bias",)
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
 # The lane that pads a batch: greedy (the cheapest step), every other field at its default.
@@ -75,6 +75,11 @@ class BatchSamplingParams:
     eta_cutoff: Any = None
     xtc_probability: Any = None
     xtc_threshold: Any = None
+    dry_multiplier: Any = None
+    dry_base: Any = None
+    dry_allowed_length: Any = None
+    dry_penalty_last_n: Any = None
+    dry_sequence_breakers: Any = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[SamplingParams]) -> "BatchSamplingParams":

@@ -1,0 +1,124 @@
+"""DRY (docs/semantics.md 5.1): the oracle on hand-built histories, its float conventions, the
+parameter checks, and the Sampler's refusal (its steps do not run DRY yet)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokensampler import InvalidSamplingParams, Sampler, SamplingParams
+from tokensampler.core.dry import DRY_MAX_HISTORY, dry_max_exponent
+from tokensampler.reference import ReferenceRequest, apply_dry, dry_repeat_lengths, reference_sample
+
+
+def dry(**kw) -> SamplingParams:
+    return SamplingParams(dry_multiplier=kw.pop("dry_multiplier", 0.5), **kw)
+
+
+# ------------------------------------------------------------------ L on hand-built histories
+def test_repeat_length_of_the_token_after_an_earlier_occurrence_of_the_suffix():
+    # "1 2" occurred before, followed by 3: L(3) = 2
+    assert dry_repeat_lengths(dry(), [1, 2, 3, 1, 2]) == {3: 2}
+    # the longest match over all earlier occurrences: "1 2 3 1 2" ends 3 before the end
+    assert dry_repeat_lengths(dry(), [1, 2, 3, 1, 2, 3, 1, 2]) == {3: 5}
+    # two different following tokens, each with its own length
+    assert dry_repeat_lengths(dry(), [5, 1, 2, 7, 9, 2, 8, 1, 2]) == {7: 2}
+    assert dry_repeat_lengths(dry(dry_allowed_length=1), [5, 1, 2, 7, 9, 2, 8, 1, 2]) == {7: 2, 8: 1}
+    assert dry_repeat_lengths(dry(), [1, 2, 3, 4]) == {}
+
+
+def test_allowed_length_border():
+    assert dry_repeat_lengths(dry(dry_allowed_length=2), [1, 2, 3, 1, 2]) == {3: 2}
+    assert dry_repeat_lengths(dry(dry_allowed_length=3), [1, 2, 3, 1, 2]) == {}
+
+
+def test_breakers_cap_the_match_at_the_tokens_after_the_latest_breaker():
+    history = [1, 2, 3, 1, 2]
+    assert dry_repeat_lengths(dry(dry_sequence_breakers=[(3,)]), history) == {3: 2}  # 2 tokens after the 3
+    assert dry_repeat_lengths(dry(dry_sequence_breakers=[(1,)]), history) == {}      # 1 token after the last 1
+    assert dry_repeat_lengths(dry(dry_allowed_length=1, dry_sequence_breakers=[(1,)]), history) == {3: 1}
+    # a multi-token breaker (head 1, tail 2) ends at the newest token: nothing after it
+    assert dry_repeat_lengths(dry(dry_allowed_length=1, dry_sequence_breakers=[(1, 2)]), history) == {}
+    # a breaker whose tail does not follow its head does not break
+    assert dry_repeat_lengths(dry(dry_sequence_breakers=[(1, 9)]), history) == {3: 2}
+    # the head nearest the end wins, even over a breaker that ends later (llama.cpp's scan):
+    # (7, 8, 6) ends 2 tokens before the end, but the head 8 of (8,) is nearer the end than the head 7
+    spanning = [7, 8, 6, 1, 2, 5, 7, 8, 6, 1, 2]
+    assert dry_repeat_lengths(dry(), spanning) == {5: 5}
+    assert dry_repeat_lengths(dry(dry_sequence_breakers=[(7, 8, 6)]), spanning) == {5: 2}
+    assert dry_repeat_lengths(dry(dry_sequence_breakers=[(7, 8, 6), (8,)]), spanning) == {5: 3}
+    assert dry_repeat_lengths(dry(dry_sequence_breakers=[(8, 6), (8,)]), spanning) == {5: 2}  # longest tail
+
+
+def test_window_is_the_last_n_tokens_of_prompt_and_output():
+    history = [1, 2, 3, 1, 2]
+    assert dry_repeat_lengths(dry(dry_penalty_last_n=5), history) == {3: 2}
+    assert dry_repeat_lengths(dry(dry_penalty_last_n=4), history) == {}  # [2, 3, 1, 2]: "2" only
+    assert dry_repeat_lengths(dry(dry_penalty_last_n=4, dry_allowed_length=1), history) == {3: 1}
+    assert dry_repeat_lengths(dry(dry_penalty_last_n=-1), [7] * 3 + history) == {3: 2}
+    long = [9] * DRY_MAX_HISTORY + [1, 2, 3, 1, 2]
+    assert dry_repeat_lengths(dry(), long) == {3: 2}  # -1 reads the last DRY_MAX_HISTORY tokens
+
+
+# ------------------------------------------------------------------ the penalty
+def test_penalty_is_multiplier_times_base_to_the_excess_in_float64_rounded_to_float32():
+    z = torch.zeros(6)
+    out = apply_dry(z, dry(dry_multiplier=0.5, dry_base=2.0), [1, 2, 3, 1, 2, 3, 1, 2])
+    assert out.tolist() == [0, 0, 0, -0.5 * 2.0 ** 3, 0, 0]  # L = 5, allowed 2
+    z = torch.full((6,), 1.1)
+    out = apply_dry(z, dry(dry_multiplier=0.3, dry_base=1.75), [1, 2, 3, 1, 2, 3, 1, 2])
+    m, b = float(torch.tensor(0.3)), float(torch.tensor(1.75))
+    want = torch.tensor(float(torch.tensor(1.1)) - m * b ** 3, dtype=torch.float64).to(torch.float32)
+    assert out[3] == want and out.dtype == torch.float32 and bool((out[[0, 1, 2, 4, 5]] == z[0]).all())
+    assert apply_dry(z, dry(dry_multiplier=0.0), [1, 2, 3, 1, 2]) is z
+
+
+def test_exponent_is_capped_as_llama_cpp_does():
+    assert dry_max_exponent(1.0) == 0 and dry_max_exponent(1.0000001) == 0
+    assert dry_max_exponent(1e30) == 1 and dry_max_exponent(2.0) == 128
+    out = apply_dry(torch.zeros(4), dry(dry_multiplier=1.0, dry_base=1e30), [1, 2, 3, 1, 2, 3, 1, 2])
+    base = float(torch.tensor(1e30))
+    assert out[3] == torch.tensor(-base, dtype=torch.float64).to(torch.float32)  # e = 3 capped to 1
+
+
+def test_reference_sample_applies_dry_after_the_penalties_on_greedy_rows():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 5.0, 4.9]])
+    p = SamplingParams(temperature=0.0, dry_multiplier=0.2)
+    got = reference_sample(logits, [ReferenceRequest(p, 0, 5, [1, 2, 3], [1, 2])]).token_ids.tolist()
+    assert got == [4]  # 3 loses 0.2: 4.8 < 4.9
+    q = SamplingParams(temperature=0.0, dry_multiplier=0.2, presence_penalty=0.05)
+    got = reference_sample(logits, [ReferenceRequest(q, 0, 5, [1, 2, 3], [1, 2])]).token_ids.tolist()
+    assert got == [4]
+    off = SamplingParams(temperature=0.0, dry_multiplier=0.2, dry_penalty_last_n=0)
+    assert reference_sample(logits, [ReferenceRequest(off, 0, 5, [1, 2, 3], [1, 2])]).token_ids.tolist() == [3]
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.mark.parametrize("field, value", [
+    ("dry_multiplier", -0.1), ("dry_multiplier", float("inf")), ("dry_multiplier", "1"),
+    ("dry_base", 0.99), ("dry_base", float("nan")), ("dry_allowed_length", 0), ("dry_allowed_length", 1.5),
+    ("dry_penalty_last_n", -2), ("dry_penalty_last_n", DRY_MAX_HISTORY + 1),
+    ("dry_sequence_breakers", [[]]), ("dry_sequence_breakers", ["\n"]), ("dry_sequence_breakers", [[1, -1]]),
+    ("dry_sequence_breakers", [list(range(22))]), ("dry_sequence_breakers", 3)])
+def test_bad_dry_fields_name_the_field(field, value):
+    with pytest.raises(InvalidSamplingParams) as err:
+        SamplingParams(**{field: value})
+    assert field in str(err.value)
+
+
+def test_defaults_and_stored_forms():
+    p = SamplingParams()
+    defaults = (p.dry_multiplier, p.dry_base, p.dry_allowed_length, p.dry_penalty_last_n, p.dry)
+    assert defaults == (0.0, 1.75, 2, -1, False)
+    q = SamplingParams(dry_multiplier=1, dry_sequence_breakers=[[1, 2], (3,)])
+    assert q.dry and q.dry_sequence_breakers == ((1, 2), (3,)) and isinstance(q.dry_multiplier, float)
+
+
+def test_sampler_refuses_dry_before_any_state_changes():
+    sampler = Sampler(10, max_slots=2)
+    with pytest.raises(InvalidSamplingParams) as err:
+        sampler.add_request(0, SamplingParams(dry_multiplier=0.5), [1, 2])
+    assert "dry_multiplier" in str(err.value)
+    assert sampler.state.params[0] is None
+    with pytest.raises(InvalidSamplingParams):
+        sampler.add_request(0, SamplingParams(dry_sequence_breakers=[(10,)]), [1])  # id outside the vocabulary
