@@ -148,3 +148,14 @@ def test_against_llama_cpp_is_omitted_with_a_note_when_not_importable(monkeypatc
 def test_llama_cpp_case_names_are_known_only_with_against_llama_cpp():
     with pytest.raises(ValueError, match="not in the workload matrix"):
         bench.run_bench(cases=["llama_default_V49k"], log=io.StringIO())
+
+
+def test_a_mixed_case_gives_each_row_its_own_sampler_and_matches_the_reference():
+    mix = tuple({**bench.workloads.TOPP95, **extra} for extra in (*bench.workloads.FULL_ROW_SAMPLERS.values(), {}))
+    case = bench.BenchCase("small_mixed", len(mix), 3000, bench.workloads.TOPP95, mix=mix)
+    assert [case.sampling_params(0, row).typical_p for row in range(len(mix))].count(0.9) == 1
+    assert case.sampling_params(0, len(mix)) == case.sampling_params(0, 0)  # rows cycle
+    (result,) = bench.run_bench(matrix=(case,), rounds=1, log=io.StringIO())
+    assert result["reference_rows_equal"] == result["rows"] == len(mix)
+    names = [c.name for c in bench.workloads.SAMPLER_CASES]
+    assert names[0] == "topp0.95" and names[-1] == "mixed_samplers_topp0.95" and len(names) == 8

@@ -70,7 +70,7 @@ def build_sampler(case: BenchCase, device: torch.device | str, prompts, outputs,
     """A sampler holding the case's rows (`backend`, `compile`: as `Sampler`'s, None the defaults)."""
     sampler = Sampler(case.vocab, max_slots=case.batch, device=device, backend=backend, compile=compile)
     for row in range(case.batch):
-        sampler.add_request(row, case.sampling_params(seed=1000 + row), prompts[row],
+        sampler.add_request(row, case.sampling_params(1000 + row, row), prompts[row],
                             output_token_ids=outputs[row])
     return sampler
 
@@ -85,7 +85,7 @@ def check_against_reference(case: BenchCase, logits: torch.Tensor, prompts, outp
     sampler = build_sampler(case, device, prompts, outputs)
     got = sampler.sample(logits, token_bitmask=bitmask).token_ids.cpu()
     rows = case.batch if max_rows is None else min(max_rows, case.batch)
-    requests = [ReferenceRequest(case.sampling_params(1000 + row), 1000 + row,
+    requests = [ReferenceRequest(case.sampling_params(1000 + row, row), 1000 + row,
                                  len(prompts[row]) + len(outputs[row]), prompts[row], outputs[row])
                 for row in range(rows)]
     allowed = None if bitmask is None else bitmask_allowed_ids(bitmask[:rows], case.vocab)

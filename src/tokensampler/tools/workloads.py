@@ -23,9 +23,13 @@ class BenchCase:
     flat: bool = False
     history: bool = False  # admit each row with a 512-token prompt and 256 output tokens
     bitmask_allowed: int = 0  # > 0: every step gets a token bitmask allowing this many ids per row
+    mix: tuple[dict, ...] = ()  # non-empty: row r gets mix[r % len(mix)] instead of `params`
 
-    def sampling_params(self, seed: int) -> SamplingParams:
-        return SamplingParams(seed=seed, **self.params)
+    def row_params(self, row: int) -> dict:
+        return self.mix[row % len(self.mix)] if self.mix else self.params
+
+    def sampling_params(self, seed: int, row: int = 0) -> SamplingParams:
+        return SamplingParams(seed=seed, **self.row_params(row))
 
 
 WORKLOAD_MATRIX: tuple[BenchCase, ...] = (
@@ -43,6 +47,25 @@ WORKLOAD_MATRIX: tuple[BenchCase, ...] = (
     BenchCase("B128_V128k_k20_p0.95", 128, 128256, {"temperature": 1.0, "top_k": 20, "top_p": 0.95}),
     # a grammar's token bitmask (xgrammar's int32 layout), 4096 ids allowed per row; its twin is topp0.9
     BenchCase("bitmask_topp0.9", 32, 151936, {"temperature": 0.8, "top_p": 0.9}, bitmask_allowed=4096),
+)
+
+# Samplers beyond top-p (docs/semantics.md), each with llama.cpp-like values on top of TOPP95, the
+# plain top-p 0.95 case they are compared with (`run_bench(matrix=SAMPLER_CASES)`). One line per sampler.
+TOPP95 = {"temperature": 1.0, "top_p": 0.95}
+FULL_ROW_SAMPLERS: dict[str, dict] = {
+    "top_n_sigma1": {"top_n_sigma": 1.0},
+    "typical0.9": {"typical_p": 0.9},
+    "epsilon3e-4": {"epsilon_cutoff": 3e-4},
+    "eta1e-3": {"eta_cutoff": 1e-3},
+    "dynatemp0.5": {"dynatemp_range": 0.5},
+    "xtc0.5_0.1": {"xtc_probability": 0.5, "xtc_threshold": 0.1},
+}
+SAMPLER_CASES: tuple[BenchCase, ...] = (
+    BenchCase("topp0.95", 32, 151936, TOPP95),
+    *(BenchCase(f"{name}_topp0.95", 32, 151936, {**TOPP95, **extra}) for name, extra in FULL_ROW_SAMPLERS.items()),
+    # rows cycling through every sampler above and plain top-p
+    BenchCase("mixed_samplers_topp0.95", 32, 151936, TOPP95,
+              mix=tuple({**TOPP95, **extra} for extra in (*FULL_ROW_SAMPLERS.values(), {}))),
 )
 
 
