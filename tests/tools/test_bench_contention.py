@@ -32,11 +32,13 @@ def test_busy_processes_spin_only_while_on():
         idle = sum(_cpu_seconds(pid) for pid in pids) - idle_start
         load.on()
         busy_start = sum(_cpu_seconds(pid) for pid in pids)
-        time.sleep(0.8)
+        time.sleep(1.0)
         busy = sum(_cpu_seconds(pid) for pid in pids) - busy_start
         load.off()
-    assert idle < 0.1, idle  # off: no CPU
-    assert busy > 0.5, busy  # on: two spinners on (up to) two cores for 0.8 s: well above 0.5 CPU s
+    assert idle < 0.05, idle  # off: stopped, no CPU at all
+    # on: two spinners for 1 s get up to 2 CPU s on two idle cores; even beside a loaded CI job (other
+    # processes on both cores) they get a fair share, far above what a stopped process gets (0)
+    assert busy > 0.25, busy
     assert load.alive == 0  # joined on exit
 
 
