@@ -90,12 +90,14 @@ def check_bench_args(args: argparse.Namespace) -> None:
         if value is not None:
             check_int(flag, value, 1, allowed="an int >= 1")
     check_int("--contention", args.contention, 0, allowed="an int >= 0")
-    if args.contention and (args.warmup or args.world is not None or args.speculative or args.admission):
+    # --contention and --against llama.cpp time the plain matrix: not with the other modes of the bench
+    other_mode = args.warmup or args.world is not None or args.speculative or args.admission
+    if args.contention and other_mode:
         raise InvalidSamplingParams("--contention", args.contention, "0 with --warmup, --world, --speculative "
                                     "or --admission (it times the workload matrix)")
     if args.json_path is not None:
         check_output_file("--json", args.json_path)
-    if args.against == "llama.cpp" and (args.warmup or args.world is not None or args.speculative or args.admission):
+    if args.against == "llama.cpp" and other_mode:
         raise InvalidSamplingParams("--against", args.against, "no llama.cpp with --warmup, --world, --speculative "
                                     "or --admission (its column times the plain step)")
     if not args.cases:

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+from ...core.errors import InvalidSamplingParams
+from ...core.params import SamplingParams
+from .params import extra_fields
+
 
 def every_allowed_id_banned(allowed: Iterable[int] | None, bad_words: Sequence[Sequence[int]] | None) -> bool:
     """Whether the one-token bad words ban every id of a non-empty `allowed` (None: no allow-list)."""
@@ -35,14 +39,9 @@ def check_allowed_against_bad_words(params: Any) -> None:
 def check_extra_args(params: Any) -> None:
     """Refuse vLLM `SamplingParams` whose tokensampler `extra_args` fields are bad (not a number, or
     out of range), with vLLM's validation error naming the field (the client gets a 400)."""
-    from ...core.errors import InvalidSamplingParams
-    from .params import extra_fields
-
     try:
         fields = extra_fields(getattr(params, "extra_args", None))
         if fields:
-            from ...core.params import SamplingParams
-
             SamplingParams(**fields)
     except InvalidSamplingParams as error:
         from vllm.exceptions import VLLMValidationError

@@ -23,9 +23,7 @@ def extra_fields(extra_args: Any) -> dict[str, float]:
     """The `EXTRA_ARGS_FIELDS` of `extra_args` (None: none) as floats; vllm_xargs values arrive as
     str, int or float: a value that is not a number raises `InvalidSamplingParams` naming the field."""
     out: dict[str, float] = {}
-    for name in EXTRA_ARGS_FIELDS:
-        if not extra_args or name not in extra_args:
-            continue
+    for name in (n for n in EXTRA_ARGS_FIELDS if n in (extra_args or {})):
         value = extra_args[name]
         try:
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
