@@ -67,7 +67,10 @@ def print_soak(report: dict[str, Any]) -> None:
         sizes = sample["sizes"] or {}
         print(f"{sample['t']:>7} {sample['rss'] / 2**20:>10.1f}  "
               + " ".join(f"{sizes.get(name, '-'):>10}" for name in campaign.STRUCTURES))
-    print(f"RSS growth over the second half of the load: {report['rss_growth_per_request']:.0f} bytes a request")
+    for name in ("rss", "heap"):
+        growth = report.get(f"{name}_growth_per_request")
+        if growth is not None:
+            print(f"{name} growth over the second half of the load: {growth:.0f} bytes a request")
     print(f"requests {report['requests']} {report['statuses']}, deaths {report['deaths']}, "
           f"idle: only the last request held: {report['idle']['only_it_held']}")
 

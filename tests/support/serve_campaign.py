@@ -257,11 +257,21 @@ def endless(seed: int, vocab: Vocabulary) -> Iterator[CampaignRequest]:
         yield draw(index, rng, vocab)
 
 
-def growth_per_request(samples: Sequence[dict[str, Any]]) -> float:
-    """Resident-memory growth per request (bytes) over the second half of the load's samples (the
-    first half warms the caches); the samples after the load are left out."""
-    middle, last = samples[len(samples) // 2], samples[-1]
-    return (last["rss"] - middle["rss"]) / max(1, last["requests"] - middle["requests"])
+def growth_per_request(samples: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Growth per request (bytes) of `key` (a sample's field, or one of its probe sizes) over the
+    second half of the load's samples (the first half warms vLLM's and the allocator's caches): the
+    least-squares slope against the requests answered, so that one burst of the allocator does not
+    decide it; None with fewer than 3 samples holding it. The samples after the load are left out."""
+    def value(sample: dict[str, Any]) -> Any:
+        return sample.get(key, (sample.get("sizes") or {}).get(key))
+
+    points = [(s["requests"], value(s)) for s in samples[len(samples) // 2:] if value(s) is not None]
+    if len(points) < 3:
+        return None
+    mean_n = sum(n for n, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    spread = sum((n - mean_n) ** 2 for n, _ in points)
+    return sum((n - mean_n) * (v - mean_v) for n, v in points) / max(spread, 1.0)
 
 
 def read_probe(path: Path) -> dict[str, Any] | None:
@@ -295,8 +305,9 @@ def server_error(request: CampaignRequest, outcome: Outcome) -> dict[str, Any]:
 
 
 def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: int, probe: Path,
-         rss: Callable[[], dict[str, int]], alive: Callable[[], bool], concurrency: int = 16) -> dict[str, Any]:
-    """Mixed load for `seconds`; RSS (`rss`: bytes by process) and structure sizes every `interval` s;
+         rss: Callable[[str], dict[str, int]], alive: Callable[[], bool], concurrency: int = 16) -> dict[str, Any]:
+    """Mixed load for `seconds`; resident memory (`rss(field)`: bytes by process, `VmRSS` and
+    `RssAnon`) and structure sizes (the probe's, with the engine's heap in use) every `interval` s;
     then the idle check."""
     requests = endless(seed, vocab)
     lock = threading.Lock()
@@ -322,11 +333,12 @@ def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: 
     start = time.monotonic()
 
     def sample(sizes: dict[str, Any] | None) -> None:
-        processes = rss()
+        processes, anonymous = rss("VmRSS"), rss("RssAnon")
         with lock:
             done = sum(statuses.values())
         samples.append({"t": round(time.monotonic() - start, 1), "requests": done, "rss": sum(processes.values()),
-                        "processes": processes, "sizes": sizes})
+                        "anon": sum(anonymous.values()), "processes": processes, "anonymous": anonymous,
+                        "sizes": sizes})
 
     with client(concurrency) as http, ThreadPoolExecutor(concurrency) as pool:
         futures = [pool.submit(worker, http) for _ in range(concurrency)]
@@ -342,7 +354,9 @@ def soak(url: str, vocab: Vocabulary, *, seconds: float, interval: float, seed: 
             "statuses": dict(statuses),
             "kinds": {kind: dict(counts) for kind, counts in sorted(kinds.items())}, "deaths": deaths[0],
             "samples": samples, "server_errors": errors,
-            "idle": idle, "alive_after": alive(), "rss_growth_per_request": growth_per_request(samples[:-2])}
+            "idle": idle, "alive_after": alive(),
+            "rss_growth_per_request": growth_per_request(samples[:-2], "rss"),
+            "heap_growth_per_request": growth_per_request(samples[:-2], "heap_in_use")}
 
 
 # ---------------------------------------------------------------- both arms, on servers of their own

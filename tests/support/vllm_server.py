@@ -74,9 +74,11 @@ class Server:
         except OSError:
             return False
 
-    def rss(self) -> dict[str, int]:
+    def rss(self, field: str = "VmRSS") -> dict[str, int]:
         """The resident memory (bytes) of each process of the server's group, by `name pid` (from
-        /proc): the API server, and the engine core vLLM starts beside it."""
+        /proc): the API server, and the engine core vLLM starts beside it. `field`: the line of
+        /proc/PID/status read (`VmRSS` all resident pages, `RssAnon` the anonymous ones only:
+        what the heap holds, without the shared libraries' code paged in on first use)."""
         out: dict[str, int] = {}
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -88,7 +90,7 @@ class Server:
             except (OSError, ValueError):
                 continue
             name = text[text.index("(") + 1:text.rindex(")")]
-            rss = next((int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:")), 0)
+            rss = next((int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:")), 0)
             out[f"{name} {stat.parent.name}"] = rss
         return out
 
