@@ -1,5 +1,5 @@
 """DRY (docs/semantics.md 5.1): the oracle on hand-built histories, its float conventions, the
-parameter checks, and the Sampler's refusal (its steps do not run DRY yet)."""
+parameter checks (tests/test_dry_steps.py: the steps against the oracle)."""
 
 from __future__ import annotations
 
@@ -114,11 +114,9 @@ def test_defaults_and_stored_forms():
     assert q.dry and q.dry_sequence_breakers == ((1, 2), (3,)) and isinstance(q.dry_multiplier, float)
 
 
-def test_sampler_refuses_dry_before_any_state_changes():
+def test_sampler_refuses_a_breaker_outside_the_vocabulary_before_any_state_changes():
     sampler = Sampler(10, max_slots=2)
     with pytest.raises(InvalidSamplingParams) as err:
-        sampler.add_request(0, SamplingParams(dry_multiplier=0.5), [1, 2])
-    assert "dry_multiplier" in str(err.value)
-    assert sampler.state.params[0] is None
-    with pytest.raises(InvalidSamplingParams):
-        sampler.add_request(0, SamplingParams(dry_sequence_breakers=[(10,)]), [1])  # id outside the vocabulary
+        sampler.add_request(0, SamplingParams(dry_multiplier=0.5, dry_sequence_breakers=[(10,)]), [1])
+    assert "dry_sequence_breakers" in str(err.value)
+    assert sampler.state.params[0] is None and sampler.state.dry_history is None

@@ -37,6 +37,10 @@ def random_params(rng: random.Random, vocab: int, seed: int) -> SamplingParams:
         fields.update(min_tokens=rng.randint(1, 4), stop_token_ids=(rng.randrange(vocab),))
     if rng.random() < 0.5:
         fields["logprobs"] = rng.choice([0, 1, 3, -1])
+    if rng.random() < 0.3:
+        fields.update(dry_multiplier=rng.choice([0.5, 2.0]), dry_base=rng.choice([1.0, 1.75, 3.0]),
+                      dry_allowed_length=rng.choice([1, 2]), dry_penalty_last_n=rng.choice([-1, 0, 5]),
+                      dry_sequence_breakers=rng.choice([(), ((rng.randrange(vocab),), (rng.randrange(vocab), 0))]))
     return SamplingParams(**fields)
 
 

@@ -34,7 +34,7 @@ COVERED = ("device_remap", "host_remap", "host_decode", "rebuild", "partial_pref
 
 
 # ------------------------------------------------------------------ the schedule, threads
-@pytest.mark.parametrize(("world", "seed"), [(2, 42), (2, 7), (3, 43), (3, 8)])
+@pytest.mark.parametrize(("world", "seed"), [(2, 45), (2, 7), (3, 43), (3, 8)])
 def test_split_generator_equals_unsplit_generator_threads(world, seed):
     (vocab, padded, mode), = gc.CONFIGS[world]
     results = dc.run_threads(world, lambda ex: gc.check_schedule(ex, ex.rank, world, vocab, padded, mode, seed, 70))

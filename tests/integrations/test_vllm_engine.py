@@ -40,10 +40,14 @@ SEEDED = dict(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penal
 PROMPT = [1, 7, 8, 9, 40, 41, 42, 43]
 LONG_PROMPT = [1] + list(range(300, 400))  # prefilled in chunks of 32 when max_num_batched_tokens=32
 REPEATS = [1] + [7, 8, 9, 10] * 6  # n-gram speculation finds drafts in a repetitive prompt
+# DRY through extra_args: string breakers, tokenised by the frontend as llama.cpp does
+DRY_ARGS = {"dry_multiplier": 1.5, "dry_base": 1.75, "dry_allowed_length": 2, "dry_sequence_breakers": ["w12"]}
+DRY_SEEDED = dict(temperature=0.8, top_p=0.95, seed=77, max_tokens=32, ignore_eos=True, extra_args=DRY_ARGS)
 SPEC_PARAMS = [dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_eos=True),
                dict(temperature=0.0, max_tokens=40, ignore_eos=True),
                dict(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True, repetition_penalty=1.2,
-                    presence_penalty=0.3)]
+                    presence_penalty=0.3),
+               dict(temperature=0.0, max_tokens=40, ignore_eos=True, extra_args=DRY_ARGS)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -119,7 +123,11 @@ def plugin(model, tmp_path_factory) -> dict:
             {"name": "unseeded", "prompts": [PROMPT, PROMPT],
              "params": [dict(temperature=1.0, max_tokens=16)] * 2},
             {"name": "long_alone", "prompts": [LONG_PROMPT], "params": [SEEDED]},
-            {"name": "speculation_off", "prompts": [REPEATS] * 3, "params": SPEC_PARAMS}]},
+            {"name": "dry_alone", "prompts": [REPEATS], "params": [DRY_SEEDED]},
+            {"name": "dry_batch", "prompts": prompts(3, 4) + [REPEATS],
+             "params": [SEEDED, dict(temperature=0.0, max_tokens=20, ignore_eos=True), SEEDED, DRY_SEEDED]},
+            {"name": "dry_off", "prompts": [REPEATS], "params": [{**DRY_SEEDED, "extra_args": {}}]},
+            {"name": "speculation_off", "prompts": [REPEATS] * 4, "params": SPEC_PARAMS}]},
         {"name": "chunked", "llm": {"max_num_batched_tokens": 32, "enable_chunked_prefill": True},
          "runs": [{"name": "long_chunked", "prompts": [LONG_PROMPT, PROMPT], "params": [SEEDED, SEEDED]}]},
         {"name": "three_seqs", "llm": {"max_num_seqs": 3}, "runs": seeded_runs("three")},
@@ -130,7 +138,7 @@ def plugin(model, tmp_path_factory) -> dict:
         # last in its process: after a speculative engine, vLLM 0.32 fails to build another one
         # (its Triton kernel overrides trip over their own wrappers when registered a second time)
         {"name": "ngram", "llm": {"speculative_config": NGRAM},
-         "runs": [{"name": "speculation_on", "prompts": [REPEATS] * 3, "params": SPEC_PARAMS}]},
+         "runs": [{"name": "speculation_on", "prompts": [REPEATS] * 4, "params": SPEC_PARAMS}]},
     ]
     return run_driver(tmp_path_factory.mktemp("plugin"), "plugin", model, engines, plugin=True)
 
@@ -226,6 +234,36 @@ def test_seeded_tokens_are_tokensampler_sample_of_each_steps_logits(plugin, mode
     flips = 0
     for step, token in enumerate(out):
         got = sample(logits[step:step + 1], params, prompt_token_ids=[PROMPT], output_token_ids=[out[:step]],
+                     vocab_size=VOCAB)
+        flips += int(got.token_ids[0]) != token
+    assert flips <= len(out) // 24, flips
+
+
+def test_dry_through_extra_args_is_batch_invariant_and_tokensampler_sample_of_each_steps_logits(plugin, model):
+    """DRY (string breakers through `extra_args`): the seeded request gives the same tokens alone and
+    in a batch, other tokens than without DRY, and `tokensampler.sample` of each step's logits
+    recomputed with transformers, with the breakers the frontend built (at most one flip in 24)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams as VllmParams
+
+    from tokensampler.integrations.vllm.admission import tokenize_breakers
+
+    main = plugin["main"]
+    out = tokens(main, "dry_alone")[0][0]
+    assert len(out) == DRY_SEEDED["max_tokens"] and tokens(main, "dry_batch")[3][0] == out
+    assert tokens(main, "dry_off")[0][0] != out
+    converted = VllmParams(extra_args=dict(DRY_ARGS))
+    tokenize_breakers(converted, AutoTokenizer.from_pretrained(model))
+    breakers = converted.extra_args["dry_sequence_breakers"]
+    assert breakers
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = lm(torch.tensor([REPEATS + out])).logits[0, len(REPEATS) - 1:-1].float()
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=77, dry_multiplier=1.5, dry_base=1.75,
+                            dry_allowed_length=2, dry_sequence_breakers=breakers)
+    flips = 0
+    for step, token in enumerate(out):
+        got = sample(logits[step:step + 1], params, prompt_token_ids=[REPEATS], output_token_ids=[out[:step]],
                      vocab_size=VOCAB)
         flips += int(got.token_ids[0]) != token
     assert flips <= len(out) // 24, flips

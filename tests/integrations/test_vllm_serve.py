@@ -73,6 +73,54 @@ def test_seeded_completions_are_identical_alone_and_concurrently_and_are_tokensa
     assert flips <= 1, flips
 
 
+REPEATS = [1] + [7, 8, 9, 10] * 6
+XARGS = {"dry_multiplier": "1.5", "dry_allowed_length": 2, "dry_sequence_breakers": ["w12"], "typical_p": 0.95}
+
+
+def test_vllm_xargs_samplers_are_seeded_tokensamplers_and_a_bad_one_is_a_400(tiny_server):
+    """DRY (string breakers) and typical-p through `vllm_xargs` from the openai client: the seeded
+    completion is the same alone and concurrently, differs from the one without them, and is
+    `tokensampler.sample` of each step's logits with the breakers the server built; a bad value is
+    a 400 naming the field, and the server keeps serving."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from vllm import SamplingParams as VllmParams
+
+    from tokensampler.integrations.vllm.admission import tokenize_breakers
+
+    server, model = tiny_server
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused")
+    body = dict(max_tokens=24, temperature=0.9, seed=99, logprobs=1)
+    extra = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    with_xargs = dict(body, extra_body={**extra, "vllm_xargs": XARGS})
+    alone = completion_ids(client.completions.create(model="tiny", prompt=REPEATS, **with_xargs))
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(client.completions.create, model="tiny", prompt=REPEATS[:5 + i],
+                               max_tokens=16, temperature=1.0, extra_body=extra) for i in range(3)]
+        futures.insert(1, pool.submit(client.completions.create, model="tiny", prompt=REPEATS, **with_xargs))
+        together = completion_ids(futures[1].result())
+    assert together == alone and len(alone) == 24
+    plain = completion_ids(client.completions.create(model="tiny", prompt=REPEATS, **dict(body, extra_body=extra)))
+    assert plain != alone
+
+    converted = VllmParams(extra_args=dict(XARGS))
+    tokenize_breakers(converted, AutoTokenizer.from_pretrained(model))
+    params = SamplingParams(temperature=0.9, seed=99, typical_p=0.95, dry_multiplier=1.5, dry_allowed_length=2,
+                            dry_sequence_breakers=converted.extra_args["dry_sequence_breakers"])
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = lm(torch.tensor([REPEATS + alone])).logits[0, len(REPEATS) - 1:-1].float()
+    flips = sum(int(sample(logits[t:t + 1], params, prompt_token_ids=[REPEATS], output_token_ids=[alone[:t]],
+                           vocab_size=VOCAB).token_ids[0]) != alone[t] for t in range(len(alone)))
+    assert flips <= 1, flips
+
+    for name, value in (("dry_allowed_length", 0), ("dry_sequence_breakers", [5]), ("typical_p", "x")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model="tiny", prompt=REPEATS, **dict(body, extra_body={
+                **extra, "vllm_xargs": {**XARGS, name: value}}))
+        assert name in str(err.value)
+    assert len(completion_ids(client.completions.create(model="tiny", prompt=REPEATS, **with_xargs))) == 24
+
+
 @pytest.fixture(scope="module")
 def smol_server(tmp_path_factory):
     directory = tmp_path_factory.mktemp("smol")

@@ -58,6 +58,9 @@ def random_params(r: random.Random, vocab: int, edges: list[int]) -> SamplingPar
     if r.random() < 0.3:
         kwargs["logit_bias"] = {r.choice(edges): r.choice([-100.0, 4.0]), vocab - 1: 3.0,
                                 r.randrange(vocab): r.uniform(-2, 2)}
+    if r.random() < 0.3:  # DRY's penalised ids fall on every rank
+        kwargs.update(dry_multiplier=r.choice([0.5, 2.0]), dry_allowed_length=r.choice([1, 2]),
+                      dry_sequence_breakers=r.choice([(), ((r.choice(edges),),)]))
     return SamplingParams(**kwargs)
 
 
@@ -89,6 +92,8 @@ def run_schedule(engine: Engine, seed: int, actions: int) -> tuple[list[SamplerO
 
     def admit(prefill: bool) -> None:
         free = engine.free_slots()
+        if not free:  # every slot held: nothing to admit this time
+            return
         slots = r.sample(free, r.randint(1, min(3, len(free))))
         entries = [(s, random_params(r, vocab, world_edges), [r.randrange(vocab) for _ in range(r.randint(0, 5))])
                    for s in slots]

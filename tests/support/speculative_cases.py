@@ -13,7 +13,7 @@ from tokensampler.core.constants import NEG_INF
 
 
 def random_params(rnd: random.Random, vocab: int, *, logprobs: bool = True) -> SamplingParams:
-    """Greedy or sampled rows with every filter, penalties, bias, allowed ids, min_tokens and logprobs."""
+    """Greedy or sampled rows with every filter, penalties, DRY, bias, allowed ids, min_tokens and logprobs."""
     fields: dict = {"seed": rnd.choice([rnd.randrange(2**64), -rnd.randrange(2**63), 0, 7])}
     if rnd.random() < 0.25:
         fields["temperature"] = 0.0
@@ -36,6 +36,10 @@ def random_params(rnd: random.Random, vocab: int, *, logprobs: bool = True) -> S
         fields.update(min_tokens=rnd.randint(1, 4), stop_token_ids=(rnd.randrange(vocab),))
     if logprobs and rnd.random() < 0.4:
         fields["logprobs"] = rnd.choice([0, 1, 3])
+    if rnd.random() < 0.3:  # DRY: allowed length 1 fires on short random histories
+        fields.update(dry_multiplier=rnd.choice([0.5, 2.0]), dry_base=rnd.choice([1.0, 1.75]),
+                      dry_allowed_length=rnd.choice([1, 2]), dry_penalty_last_n=rnd.choice([-1, 6]),
+                      dry_sequence_breakers=rnd.choice([(), ((rnd.randrange(vocab),),)]))
     return SamplingParams(**fields)
 
 

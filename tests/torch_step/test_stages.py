@@ -39,11 +39,12 @@ def test_every_plan_flag_is_a_stage_with_one_implementation():
 
 def test_plan_lists_the_stages_its_rows_need_in_order():
     rows = [SamplingParams(temperature=0.0, repetition_penalty=1.2, bad_words_token_ids=[[1]]),
-            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1, logit_bias={2: 1.0}),
+            SamplingParams(temperature=0.7, top_p=0.9, min_p=0.1, logit_bias={2: 1.0}, dry_multiplier=0.5),
             SamplingParams(temperature=0.0, top_k=3, min_tokens=2, stop_token_ids=(4,), allowed_token_ids=[1, 2])]
     plan = plan_step(rows, 10)
-    assert plan.edits() == ("allowed_ids", "bad_words", "min_tokens", "logit_bias", "penalties")
+    assert plan.edits() == ("allowed_ids", "bad_words", "min_tokens", "logit_bias", "penalties", "dry")
     assert plan.edits(token_bitmask=True) == EDIT_STAGES
+    assert "dry" not in plan_step(rows[:1], 10).edits()
     assert plan.filters == ("min_p", "top_p")  # top-k only on a greedy row: ignored
     assert plan_step([SamplingParams(temperature=0.0)], 10).edits() == ()
     assert plan_step([SamplingParams(temperature=0.0)], 10).plain_greedy

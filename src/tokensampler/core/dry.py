@@ -3,6 +3,8 @@ exponent cap, computed once here for the oracle and every implementation."""
 
 from __future__ import annotations
 
+from typing import Callable, Sequence
+
 import torch
 
 # the most history tokens DRY reads (dry_penalty_last_n = -1 reads the last DRY_MAX_HISTORY tokens of
@@ -28,3 +30,31 @@ def dry_window(last_n: int, history_length: int) -> int:
 
 # the longest breaker sequence (head and tail) a request may give; llama.cpp caps a tail at 20 tokens
 DRY_MAX_BREAKER_LENGTH = 21
+
+
+def breakers_from_strings(strings: Sequence[str], token_texts: Sequence[str],
+                          tokenize: Callable[[str], Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """DRY's sequence breakers from strings, as llama.cpp builds them at init
+    (`get_overlapping_token_sequences`): for each string s, every id whose text contains s is a
+    one-token breaker; every id whose text ends with a proper prefix of s (at each place its text
+    has s's first character) is a head whose tail is `tokenize` of the rest of s (at most
+    DRY_MAX_BREAKER_LENGTH - 1 tokens). Duplicates are dropped; the order is by id.
+
+    token_texts: the text of each id (`detokenize([id])`, special tokens included);
+    tokenize: a string's ids without special tokens. Empty strings are skipped."""
+    out: dict[tuple[int, ...], None] = {}
+    for s in strings:
+        if not s:
+            continue
+        for token, word in enumerate(token_texts):
+            if s in word:
+                out[(token,)] = None
+                continue
+            pos = word.find(s[0])
+            while pos != -1:
+                rest = word[pos:]
+                if s.startswith(rest):  # the text's end is a proper prefix of s
+                    tail = tuple(int(t) for t in tokenize(s[len(rest):]))[:DRY_MAX_BREAKER_LENGTH - 1]
+                    out[(token, *tail)] = None
+                pos = word.find(s[0], pos + 1)
+    return tuple(out)

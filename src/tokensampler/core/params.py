@@ -307,9 +307,6 @@ def check_params_for_vocab(params: SamplingParams, vocab_size: int, max_logprobs
     for name, value in params.full_row_fields if split else ():
         raise UnsupportedOnSplit(name, value, "its default (off) on a vocabulary split: the full-row samplers "
                                  "need each row's whole vocabulary on one rank")
-    if params.dry:  # the stage is defined (reference.py, docs/semantics.md 5.1), not yet in the steps
-        raise InvalidSamplingParams("dry_multiplier", params.dry_multiplier,
-                                    "0 (off): the Sampler's steps do not run DRY (step 5.1) yet")
     for name, token in params.token_ids_used():
         check_token_ids(name, (token,), vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:

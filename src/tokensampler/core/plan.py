@@ -16,7 +16,7 @@ from .params import SamplingParams
 # by its `StepPlan` flag. "token_bitmask" is the one edit that is a call argument, not a row
 # parameter: `StepPlan.edits(token_bitmask=...)` adds it for a masked call. Every name has one
 # torch implementation in `backends/torch_step/stages.py` (docs/architecture.md, "Adding a stage").
-EDIT_STAGES = ("allowed_ids", "token_bitmask", "bad_words", "min_tokens", "logit_bias", "penalties")
+EDIT_STAGES = ("allowed_ids", "token_bitmask", "bad_words", "min_tokens", "logit_bias", "penalties", "dry")
 FILTER_STAGES = ("dynatemp", "min_p", "top_k", "top_p", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc")
 # The filters whose kept set is not a threshold of z / T (or that change T per row): their rows take
 # the torch step's full-row route (`backends/torch_step/extra_filters.py`), docs/semantics.md 7, 10.1-10.5.
@@ -57,6 +57,7 @@ class StepPlan:
     num_logprobs: list[int]  # -1 = row did not ask
     logprobs_width: int
     bad_words: bool = False  # a row has bad words (step 3, on the slot's recorded output)
+    dry: bool = False  # a row has DRY (step 5.1, on the slot's history; greedy rows too)
     dynatemp: bool = False  # a sampled row has a dynamic temperature (step 7)
     top_n_sigma: bool = False  # steps 10.1-10.5, on sampled rows
     typical_p: bool = False
@@ -124,5 +125,6 @@ def plan_step(rows: Sequence[SamplingParams], vocab_size: int, slots: Sequence[i
         num_logprobs=num_logprobs,
         logprobs_width=max(num_logprobs, default=-1),
         bad_words=any(p.bad_words_token_ids for p in rows),
+        dry=any(p.dry for p in rows),
         **{name: True for b in sampled for name in full_row_stages(rows[b])},
     )

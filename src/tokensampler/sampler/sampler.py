@@ -151,7 +151,9 @@ class Sampler:
         Bad words read the slot's latest output tokens, which the state keeps only as deep as the
         longest bad word admitted so far (less one): new, longer bad words match only against the
         tokens kept (a token not kept counts as no match) until `reset_history` (or a new
-        `add_request` with the outputs) rebuilds them."""
+        `add_request` with the outputs) rebuilds them. DRY likewise reads the history the state
+        keeps for it, from the first admission of a DRY request on, as deep as the widest DRY
+        window admitted: turning DRY on here, or widening its window, reads the tokens kept."""
         def check() -> SamplingParams:
             self._check_occupied(slot)
             if not isinstance(params, SamplingParams):

@@ -5,8 +5,12 @@ every step; the penalty history is a prompt mask and output counts per slot over
 layout holds, updated in O(B) per step by the sampled tokens. Optional dense columns (logit bias,
 allowed ids, stop ids) are allocated on first use, and so are the bad words: a table of each slot's
 bad words and the slot's latest output tokens (as many as the longest bad word admitted, less one),
-kept on the device and shifted by every recorded token. Every token id given here is global; the
-layout translates it to this rank's columns (a vocabulary split keeps only its slice).
+kept on the device and shifted by every recorded token. DRY (docs/semantics.md 5.1) reads a slot's
+latest history tokens, prompt and output together: `dry_history`, allocated when the first DRY
+request is admitted, as deep as the widest DRY window admitted so far, shifted by every recorded
+token. Every token id given here is global; the layout translates it to this rank's columns (a
+vocabulary split keeps only its slice; the bad words' and DRY's histories keep global ids on every
+rank).
 
 This object is the one owner of a slot's state. Beside the device columns it keeps the slot's host
 record: `params`, `seeds`, `drawn` (the seed was drawn for an unseeded request) and `streams`, so
@@ -23,6 +27,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..core import rng
+from ..core.dry import DRY_MAX_HISTORY, dry_window
 from ..core.params import SamplingParams
 from .layout import VocabLayout
 
@@ -72,6 +77,9 @@ class SamplerState:
         # tokens right-aligned (the newest last), -2 = none (a shorter output, or not kept)
         self.bad_words: torch.Tensor | None = None
         self.recent_tokens: torch.Tensor | None = None
+        # DRY: int32 [S, depth] each slot's latest prompt + output tokens (global ids) right-aligned,
+        # the newest last, -1 = none (a shorter history)
+        self.dry_history: torch.Tensor | None = None
         # the host record, written with the device columns (never after them): what the sampler
         # plans a step from and answers slot queries from without a device read
         self.params: list[SamplingParams | None] = [None] * max_slots
@@ -83,7 +91,8 @@ class SamplerState:
         tensors = [self.temperature, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
                    self.repetition, self.min_tokens, self.seed, self.position, self.stream, self.output_len,
                    self.prompt_mask, self.output_counts]
-        optional = (self.logit_bias, self.allowed_mask, self.stop_mask, self.bad_words, self.recent_tokens)
+        optional = (self.logit_bias, self.allowed_mask, self.stop_mask, self.bad_words, self.recent_tokens,
+                    self.dry_history)
         return tensors + [t for t in optional if t is not None]
 
     @property
@@ -109,6 +118,19 @@ class SamplerState:
                 recent[:, depth - self.recent_tokens.shape[1]:] = self.recent_tokens
             self.recent_tokens = recent
         return table
+
+    @property
+    def dry_depth(self) -> int:
+        """How many of each slot's latest history tokens the state keeps for DRY (0: none)."""
+        return 0 if self.dry_history is None else self.dry_history.shape[1]
+
+    def _reserve_dry_history(self, depth: int) -> None:
+        """The DRY history, grown (right-aligned, contents kept; new older columns: none) to `depth`."""
+        if depth > self.dry_depth:
+            grown = torch.full((self.max_slots, depth), -1, dtype=torch.int32, device=self.device)
+            if self.dry_history is not None:
+                grown[:, depth - self.dry_depth:] = self.dry_history
+            self.dry_history = grown
 
     def _dense(self, name: str, dtype: torch.dtype, fill: float | bool) -> torch.Tensor:
         tensor = getattr(self, name)
@@ -169,6 +191,8 @@ class SamplerState:
             length = table.shape[2]
             for w, word in enumerate(words):  # global ids: every rank matches the same history
                 table[slot, w, length - len(word):] = torch.tensor(word, dtype=torch.int64, device=self.device)
+        if params.dry:
+            self._reserve_dry_history(dry_window(params.dry_penalty_last_n, DRY_MAX_HISTORY))
         self.params[slot] = params
 
     def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
@@ -185,6 +209,11 @@ class SamplerState:
             latest = list(output_token_ids)[-depth:]
             row = [-2] * (depth - len(latest)) + [int(t) for t in latest]
             self.recent_tokens[slot] = torch.tensor(row, dtype=torch.int64, device=self.device)
+        depth = self.dry_depth
+        if depth:
+            latest = [*prompt_token_ids, *output_token_ids][-depth:]
+            row = [-1] * (depth - len(latest)) + [int(t) for t in latest]
+            self.dry_history[slot] = torch.tensor(row, dtype=torch.int32, device=self.device)
 
     def release(self, slot: int) -> None:
         self.params[slot] = None
@@ -248,6 +277,12 @@ class SamplerState:
             if mask is not None:
                 shifted = torch.where(mask.to(device=slots.device)[:, None], shifted, old)
             self.recent_tokens[slots] = shifted
+        if self.dry_history is not None:  # DRY's history shifts by one: O(B * dry_depth)
+            old = self.dry_history[slots]
+            shifted = torch.cat([old[:, 1:], tokens.to(torch.int32)[:, None]], dim=1)
+            if mask is not None:
+                shifted = torch.where(mask.to(device=slots.device)[:, None], shifted, old)
+            self.dry_history[slots] = shifted
 
     def set_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
                   streams: Sequence[int], drawn: Sequence[bool]) -> None:
@@ -282,8 +317,11 @@ class SamplerState:
         prompt_tokens None keeps the prompt mask; output_tokens None clears the output counts.
         The output length (for min_tokens) becomes the number of output ids (all of them, also
         those another rank holds); the kept latest output tokens (bad words) become the last
-        `history_depth` of them (padding skipped wherever it is).
+        `history_depth` of them (padding skipped wherever it is), and DRY's history the last
+        `dry_depth` of prompt + outputs (prompt_tokens None: the prompt tokens it kept, which are
+        fewer than the prompt when the outputs it replaces had pushed some out).
         """
+        old_lengths = self.output_len[slots].tolist() if self.dry_history is not None else []
         # written in place, row by id: a [len(slots), V] temporary would be allocated (page-faulted)
         # and copied on every admission
         if prompt_tokens is not None:
@@ -307,3 +345,25 @@ class SamplerState:
                 column = torch.where(kept, depth - from_end, torch.full_like(from_end, depth))
                 recent.scatter_(1, column, torch.where(kept, output_tokens, torch.full_like(output_tokens, -2)))
             self.recent_tokens[slots] = recent[:, :depth]
+        if self.dry_history is not None:
+            self._rebuild_dry_history(slots, prompt_tokens, output_tokens, old_lengths)
+
+    def _rebuild_dry_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
+                             output_tokens: torch.Tensor | None, old_output_lengths: list[int]) -> None:
+        """DRY's history of `slots` rebuilt: the prompt (given, or the kept tokens before the old
+        outputs), then the outputs, the last `dry_depth` real ids right-aligned (a row at a time:
+        admissions and resumptions, not steps)."""
+        depth = self.dry_depth
+        for i, slot in enumerate(slots.tolist()):
+            if prompt_tokens is not None:
+                prompt = prompt_tokens[i][prompt_tokens[i] >= 0].to(torch.int32)
+            else:
+                kept = self.dry_history[slot]
+                kept = kept[kept >= 0]
+                prompt = kept[:max(0, kept.numel() - old_output_lengths[i])]
+            outputs = (output_tokens[i][output_tokens[i] >= 0].to(torch.int32) if output_tokens is not None
+                       else prompt.new_empty(0))
+            latest = torch.cat([prompt, outputs])[-depth:]
+            self.dry_history[slot] = -1
+            if latest.numel():
+                self.dry_history[slot, depth - latest.numel():] = latest

@@ -19,7 +19,7 @@ from typing import Callable, NoReturn, Sequence
 from ..core.checks import check_device, check_int
 from ..core.errors import InvalidSamplingParams, TokenSamplerError
 from . import bench, bench_admission, bench_distributed, bench_speculative, bench_warmup, generate_command, smollm2
-from .workloads import LLAMA_CPP_CASES, WORKLOAD_MATRIX
+from .workloads import LLAMA_CPP_CASES, SAMPLER_CASES, WORKLOAD_MATRIX
 
 USAGE_ERROR = 2  # the exit status of every user error (argparse's)
 
@@ -57,6 +57,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     parser.add_argument("--json", dest="json_path", default=None, help="write the results as JSON here")
     parser.add_argument("--case", dest="cases", action="append", default=None,
                         help="run only this case (repeatable); default: the whole matrix")
+    parser.add_argument("--samplers", action="store_true",
+                        help="time the sampler cases (each full-row sampler and DRY on top of top-p 0.95, a mixed "
+                             "batch, and plain top-p 0.95 to compare with) instead of the workload matrix")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per arm (default 7, quick 3)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads for every arm (default: torch's default)")
@@ -100,9 +103,12 @@ def check_bench_args(args: argparse.Namespace) -> None:
     if args.against == "llama.cpp" and other_mode:
         raise InvalidSamplingParams("--against", args.against, "no llama.cpp with --warmup, --world, --speculative "
                                     "or --admission (its column times the plain step)")
+    if args.samplers and (other_mode or args.against is not None):
+        raise InvalidSamplingParams("--samplers", True, "alone, or with --case, --quick, --rounds, --threads, "
+                                    "--contention, --json (the sampler cases time the plain step)")
     if not args.cases:
         return
-    plain = [c.name for c in WORKLOAD_MATRIX]
+    plain = [c.name for c in (SAMPLER_CASES if args.samplers else WORKLOAD_MATRIX)]
     if args.against == "llama.cpp":
         plain += [c.name for c in LLAMA_CPP_CASES]
     speculative = [c.name for c in bench_speculative.SPECULATIVE_CASES]
@@ -156,8 +162,10 @@ def run_bench_command(args: argparse.Namespace) -> int:
             print(f"speculative tokens differ from the plain sampler stepped in: {', '.join(bad)}", file=sys.stderr)
         return 1 if bad else 0
     # --quick's report (the whole matrix) also times admissions: a few seconds on the CPU
-    admission = bench_admission.run_admission_bench(quick=True) if args.quick and not args.cases else None
+    admission = (bench_admission.run_admission_bench(quick=True) if args.quick and not args.cases
+                 and not args.samplers else None)
     results = bench.run_bench(device=args.device, quick=args.quick, json_path=args.json_path,
+                              matrix=SAMPLER_CASES if args.samplers else WORKLOAD_MATRIX,
                               cases=args.cases, rounds=args.rounds, against=args.against,
                               extra=None if admission is None else {"admission": admission},
                               contention=args.contention)

@@ -24,6 +24,7 @@ class BenchCase:
     history: bool = False  # admit each row with a 512-token prompt and 256 output tokens
     bitmask_allowed: int = 0  # > 0: every step gets a token bitmask allowing this many ids per row
     mix: tuple[dict, ...] = ()  # non-empty: row r gets mix[r % len(mix)] instead of `params`
+    repeating: int = 0  # > 0: each row's prompt is this many tokens of repeated phrases (DRY's matches)
 
     def row_params(self, row: int) -> dict:
         return self.mix[row % len(self.mix)] if self.mix else self.params
@@ -66,6 +67,10 @@ SAMPLER_CASES: tuple[BenchCase, ...] = (
     # rows cycling through every sampler above and plain top-p
     BenchCase("mixed_samplers_topp0.95", 32, 151936, TOPP95,
               mix=tuple({**TOPP95, **extra} for extra in (*FULL_ROW_SAMPLERS.values(), {}))),
+    # DRY on a 4,096-token history of repeated phrases, llama.cpp's suggested settings, 3 breaker ids
+    BenchCase("dry0.8_topp0.95", 32, 151936,
+              {**TOPP95, "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2,
+               "dry_sequence_breakers": ((198,), (25,), (1,))}, repeating=4096),
 )
 
 
@@ -114,10 +119,27 @@ def make_bitmask(logits: torch.Tensor, allowed: int, seed: int = 2) -> torch.Ten
 
 
 def make_histories(case: BenchCase, seed: int = 1) -> tuple[list[list[int]], list[list[int]]]:
-    """Per-row prompt and output token ids for the penalty cases (empty otherwise)."""
+    """Per-row prompt and output token ids for the penalty cases and the repeating ones (empty otherwise)."""
+    if case.repeating:
+        return [repeated_phrases(case.vocab, case.repeating, seed + row) for row in range(case.batch)], \
+            [[] for _ in range(case.batch)]
     if not case.history:
         return [[] for _ in range(case.batch)], [[] for _ in range(case.batch)]
     gen = torch.Generator().manual_seed(seed)
     prompts = torch.randint(0, case.vocab, (case.batch, PROMPT_LEN), generator=gen).tolist()
     outputs = torch.randint(0, case.vocab, (case.batch, OUTPUT_LEN), generator=gen).tolist()
     return prompts, outputs
+
+
+def repeated_phrases(vocab: int, length: int, seed: int) -> list[int]:
+    """`length` tokens like a model's repetitive output: phrases of 4-24 tokens from a pool of 64,
+    each picked again and again, with one random token in ten between them."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = [torch.randint(0, vocab, (int(torch.randint(4, 25, (1,), generator=gen)),), generator=gen).tolist()
+            for _ in range(64)]
+    out: list[int] = []
+    while len(out) < length:
+        out += pool[int(torch.randint(0, len(pool), (1,), generator=gen))]
+        if int(torch.randint(0, 10, (1,), generator=gen)) == 0:
+            out.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+    return out[:length]

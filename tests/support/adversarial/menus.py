@@ -193,6 +193,24 @@ def bad_words_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
     return words, True
 
 
+def dry_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    """DRY's five fields together: (multiplier, base, allowed length, window, breakers); the
+    breakers are ids of the output (so they bind) or random ones."""
+    v, out = ctx.vocab, ctx.outputs
+    breakers = [tuple(r.randrange(v) for _ in range(r.randint(1, 2))) for _ in range(r.randint(0, 2))]
+    if out and r.random() < 0.5:
+        breakers.append((pick(r, out),))
+    value = (pick(r, [0.0, 0.5, 1.0, 3e38]), pick(r, [1.0, 1.75, 1e30]), pick(r, [1, 2, 5]),
+             pick(r, [-1, 0, 1, 4, 8192]), breakers)
+    if bad:
+        index = r.randrange(5)
+        wrong = [pick(r, [-1.0, float("nan"), float("inf")]), pick(r, [0.5, float("inf")]), pick(r, [0, -3]),
+                 pick(r, [-2, 8193]), pick(r, [[()], [(v,)], [(-1,)], "abc"])][index]
+        value = (*value[:index], wrong, *value[index + 1:])
+        return value, False
+    return value, True
+
+
 @dataclass
 class RowSpec:
     """One request of a case: SamplingParams keywords, history, noise coordinates, and which field
@@ -213,10 +231,13 @@ FIELDS: dict[str, Menu] = {
     "presence_penalty": penalty_menu, "frequency_penalty": penalty_menu, "repetition_penalty": repetition_menu,
     "seed": seed_menu, "logprobs": logprobs_menu, "logit_bias": logit_bias_menu,
     "allowed_token_ids": allowed_menu, "stop": stop_menu, "bad_words_token_ids": bad_words_menu,
+    "dry": dry_menu,
 }
-RARE = {"logit_bias": 0.2, "allowed_token_ids": 0.15, "stop": 0.2, "bad_words_token_ids": 0.12}
+RARE = {"logit_bias": 0.2, "allowed_token_ids": 0.15, "stop": 0.2, "bad_words_token_ids": 0.12, "dry": 0.2}
 HISTORY_FIELDS = ("prompt_token_ids", "output_token_ids", "position", "stream")
-FIELD_NAMES = {"stop": ("min_tokens", "stop_token_ids")}  # the error fields a bad value may be named by
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+# the error fields a bad value may be named by
+FIELD_NAMES = {"stop": ("min_tokens", "stop_token_ids"), "dry": DRY_FIELDS}
 
 
 def row_spec(r: random.Random, vocab: int, max_logprobs: int, path: str, flavour: str, bad_rate: float) -> RowSpec:
@@ -244,6 +265,8 @@ def row_spec(r: random.Random, vocab: int, max_logprobs: int, path: str, flavour
             bad.append(name)
         if name == "stop":
             kwargs["min_tokens"], kwargs["stop_token_ids"] = value
+        elif name == "dry":
+            kwargs.update(zip(DRY_FIELDS, value))
         else:
             kwargs[name] = value
     position = None if r.random() < 0.7 else pick(r, [0, POSITION_LIMIT - 1, POSITION_LIMIT - 2,

@@ -15,7 +15,13 @@ from tokensampler import SamplerOutput, SamplingParams
 from tokensampler.core import rng
 from tokensampler.core.order import saturate_posinf
 from tokensampler.core.output import LogprobsOutput
-from tokensampler.reference import ReferenceRequest, bad_word_ids, bitmask_allowed_ids, reference_sample_row
+from tokensampler.reference import (
+    ReferenceRequest,
+    apply_dry,
+    bad_word_ids,
+    bitmask_allowed_ids,
+    reference_sample_row,
+)
 
 
 @dataclass
@@ -154,7 +160,7 @@ class Oracle:
         self.border: dict[int, tuple[torch.Tensor, ...]] = {}
         step_bits = None if bitmask is None else bitmask_bits(bitmask, self.vocab)
         removed = self._removed(z, idx, ix, step_bits)
-        z, kept, valid, nan_rows = self._processed(z.masked_fill(removed, NEG_INF), ix)
+        z, kept, valid, nan_rows = self._processed(z.masked_fill(removed, NEG_INF), ix, idx)
         tokens = torch.zeros(len(idx), dtype=torch.int64)
         self.edge = torch.zeros(len(idx), dtype=torch.bool)  # rows with a p or a mass exactly at a bound
         tokens[~valid] = raw[~valid].argmax(-1)
@@ -195,9 +201,9 @@ class Oracle:
             removed |= self.stop[ix] & below[:, None]
         return removed
 
-    def _processed(self, z: torch.Tensor, ix: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Steps 4-7 on z (removed ids at -inf): logit bias, penalties, temperature. Returns (z, kept
-        [B, V], valid [B], rows where NaN arose)."""
+    def _processed(self, z: torch.Tensor, ix: torch.Tensor, idx: list[int]) -> tuple[torch.Tensor, ...]:
+        """Steps 4-7 on z (removed ids at -inf): logit bias, penalties, DRY (reference.py's own, row
+        by row: few rows have it), temperature. Returns (z, kept [B, V], valid [B], rows where NaN arose)."""
         if self.any_bias:
             z = torch.where(self.has_bias[ix], z + self.bias[ix], z)
         counts = self.counts[ix]
@@ -206,6 +212,10 @@ class Oracle:
         z = torch.where(seen, torch.where(z > 0, z / r, z * r), z)
         z = z - self.frequency[ix][:, None] * counts
         z = z - self.presence[ix][:, None] * (counts > 0).to(torch.float32)
+        for b, i in enumerate(idx):
+            row = self.rows[i]
+            if row.params.dry:
+                z[b] = apply_dry(z[b], row.params, [*row.prompt, *row.outputs])
         nan_rows = torch.isnan(z).any(-1)
         z = saturate_posinf(z)
         kept = ~torch.isneginf(z)

@@ -1,7 +1,7 @@
 """The definition's stages, each written once in torch, composed by every torch-side step.
 
-Steps 1 and 3-5 of docs/semantics.md are *edits* of a float32 `z` (padding and NaN removed, ids
-removed, bias added, penalties applied); steps 8-10 are *filters* (min-p, top-k, top-p) that keep
+Steps 1 and 3-5.1 of docs/semantics.md are *edits* of a float32 `z` (padding and NaN removed, ids
+removed, bias added, penalties and DRY applied); steps 8-10 are *filters* (min-p, top-k, top-p) that keep
 a prefix of the ids ordered by `z / T`. Each edit below is one function, in place on `z`, over the
 rows a `StageRows` describes; each edit that touches few ids per row also has a *cell* form (which
 (row, id) it changes and to what), so a route can write its cells into the caller's logits and
@@ -37,7 +37,7 @@ from ...core.constants import NEG_INF
 from ...core.params import SamplingParams
 from ...core.plan import EDIT_STAGES, has_penalties
 from ...state import SamplerState
-from . import candidates, masking, penalties
+from . import candidates, dry, masking, penalties
 from .config import DEFAULT, TorchStepConfig
 from .indexing import read_at, write_at
 from .routes import Draw, Handoff, RowFacts, Values
@@ -154,6 +154,26 @@ def apply_penalties(z: torch.Tensor, rows: StageRows) -> None:
         write_at(z, *cells)
 
 
+# ------------------------------------------------------------------ step 5.1
+def dry_cells(z: torch.Tensor, rows: StageRows) -> Cells | None:
+    """DRY as cells: the penalised value of every id that would extend a repeat of a DRY row's
+    history (`dry.penalised_cells`), computed from z as it is now; None if no id is penalised."""
+    st = rows.state
+    on = rows.where(lambda p: p.dry)
+    if not on or st.dry_history is None:
+        return None
+    slots = rows.slots[on] if len(on) < len(rows.params) else rows.slots
+    return dry.penalised_cells(z, on, [rows.params[r] for r in on], st.dry_history[slots], rows.offset,
+                               st.layout.real_width)
+
+
+def apply_dry(z: torch.Tensor, rows: StageRows) -> None:
+    """DRY (step 5.1) on the rows that have it: the ids `dry_cells` names to their penalised values."""
+    cells = dry_cells(z, rows)
+    if cells is not None:
+        write_at(z, *cells)
+
+
 # ------------------------------------------------------------------ composing the edits
 EDITS: dict[str, Callable[[torch.Tensor, StageRows], None]] = {
     "allowed_ids": remove_disallowed,
@@ -162,6 +182,7 @@ EDITS: dict[str, Callable[[torch.Tensor, StageRows], None]] = {
     "min_tokens": remove_stop_ids,
     "logit_bias": add_logit_bias,
     "penalties": apply_penalties,
+    "dry": apply_dry,
 }
 # one implementation per edit flag of the plan, in the definition's order (tests/torch_step/test_stages.py)
 
@@ -169,6 +190,7 @@ EDITS: dict[str, Callable[[torch.Tensor, StageRows], None]] = {
 CELL_EDITS: dict[str, Callable[[torch.Tensor, StageRows], Cells | None]] = {
     "bad_words": bad_word_cells,
     "penalties": penalty_cells,
+    "dry": dry_cells,
 }
 
 

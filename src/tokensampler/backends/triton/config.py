@@ -21,7 +21,8 @@ MAX_KERNEL_LOGPROBS = 20
 # `kernels.select_kernel`: the filters); a stage added without a mirror is left out of this set. The
 # full-row stages (dynamic temperature, top-n-sigma, typical-p, epsilon, eta, XTC) have no mirror:
 # their plans run the torch step, whose full-row route implements them (`torch_step.extra_filters`).
-KERNEL_STAGES = frozenset(EDIT_STAGES + FILTER_STAGES) - frozenset(FULL_ROW_STAGES)
+# not mirrored: the full-row filters, and DRY (its matches over each slot's history)
+KERNEL_STAGES = frozenset(EDIT_STAGES + FILTER_STAGES) - frozenset(FULL_ROW_STAGES) - {"dry"}
 
 _triton_found: bool | None = None
 

@@ -5,15 +5,19 @@ a one-token bad word, no token is left, and vLLM's own sampler then returns a to
 allowed ids with HTTP 200. With the plugin such a request is refused when it is admitted (in the
 API-server process, where vLLM tokenises the bad words), with a 400 that names both fields. A
 multi-token bad word bans its last token only after its prefix, so it never empties the set alone.
+The tokensampler fields of `extra_args` are checked there too (a bad one: a 400 naming it), after
+DRY's string breakers are turned into token-id sequences with the model's tokenizer.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
+from ...core.dry import breakers_from_strings
 from ...core.errors import InvalidSamplingParams
 from ...core.params import SamplingParams
-from .params import extra_fields
+from .params import BREAKERS, extra_fields
 
 
 def every_allowed_id_banned(allowed: Iterable[int] | None, bad_words: Sequence[Sequence[int]] | None) -> bool:
@@ -47,3 +51,45 @@ def check_extra_args(params: Any) -> None:
         from vllm.exceptions import VLLMValidationError
 
         raise VLLMValidationError(f"extra_args: {error}") from None
+
+
+_TOKEN_TEXTS: dict[int, tuple[Any, list[str]]] = {}  # id(tokenizer) -> (tokenizer, each id's text)
+
+
+def token_texts(tokenizer: Any) -> list[str]:
+    """Each id's text, `decode([id])` with special tokens (computed once per tokenizer)."""
+    held = _TOKEN_TEXTS.get(id(tokenizer))
+    if held is None or held[0] is not tokenizer:
+        ids = [[i] for i in range(len(tokenizer))]
+        texts = list(tokenizer.batch_decode(ids)) if hasattr(tokenizer, "batch_decode") else \
+            [tokenizer.decode(i) for i in ids]
+        held = _TOKEN_TEXTS[id(tokenizer)] = (tokenizer, texts)
+    return held[1]
+
+
+@functools.lru_cache(maxsize=64)
+def _expanded(key: int, strings: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+    tokenizer = _TOKEN_TEXTS[key][0]
+    return breakers_from_strings(strings, _TOKEN_TEXTS[key][1],
+                                 lambda text: tokenizer.encode(text, add_special_tokens=False))
+
+
+def tokenize_breakers(params: Any, tokenizer: Any) -> None:
+    """DRY's breakers of a vLLM request given as strings (`extra_args["dry_sequence_breakers"]`),
+    replaced by token-id sequences as llama.cpp builds them (`core.dry.breakers_from_strings`, with
+    the model's tokenizer); called in the API server, where vLLM tokenises the bad words. Breakers
+    that are not strings are refused there (vLLM's validation error: a 400), so the token ids the
+    engine receives are the tokenizer's."""
+    extra = getattr(params, "extra_args", None)
+    value = (extra or {}).get(BREAKERS)
+    if isinstance(value, str):
+        value = [value]
+    if value is None:
+        return
+    if not (isinstance(value, (list, tuple)) and all(isinstance(s, str) for s in value)):
+        from vllm.exceptions import VLLMValidationError
+
+        raise VLLMValidationError(f"extra_args: {BREAKERS}={value!r} is invalid: allowed a list of strings",
+                                  parameter=BREAKERS, value=value)
+    token_texts(tokenizer)
+    extra[BREAKERS] = [list(b) for b in _expanded(id(tokenizer), tuple(value))]

@@ -16,22 +16,49 @@ PENALTY_RANGE = (2.0 ** -149, 3.4028234663852886e38)  # the smallest subnormal, 
 # tokensampler fields read from vLLM's `SamplingParams.extra_args` (`vllm_xargs` in OpenAI requests),
 # by their tokensampler names; any other key is left to other plugins
 EXTRA_ARGS_FIELDS = ("dynatemp_range", "dynatemp_exponent", "top_n_sigma", "typical_p", "epsilon_cutoff",
-                     "eta_cutoff", "xtc_probability", "xtc_threshold")
+                     "eta_cutoff", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
+                     "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+INT_FIELDS = ("dry_allowed_length", "dry_penalty_last_n")
+# DRY's breakers: strings in a request (tokenised by the API server: `admission.tokenize_breakers`),
+# token-id sequences when they reach the engine
+BREAKERS = "dry_sequence_breakers"
 
 
-def extra_fields(extra_args: Any) -> dict[str, float]:
-    """The `EXTRA_ARGS_FIELDS` of `extra_args` (None: none) as floats; vllm_xargs values arrive as
-    str, int or float: a value that is not a number raises `InvalidSamplingParams` naming the field."""
-    out: dict[str, float] = {}
+def extra_fields(extra_args: Any) -> dict[str, Any]:
+    """The `EXTRA_ARGS_FIELDS` of `extra_args` (None: none): floats, ints (`INT_FIELDS`), and the
+    breakers as token-id sequences; vllm_xargs values arrive as str, int or float: a value of
+    another kind raises `InvalidSamplingParams` naming the field."""
+    out: dict[str, Any] = {}
     for name in (n for n in EXTRA_ARGS_FIELDS if n in (extra_args or {})):
         value = extra_args[name]
+        if name == BREAKERS:
+            out[name] = _breakers(value)
+            continue
         try:
             if isinstance(value, bool) or not isinstance(value, (str, int, float)):
                 raise ValueError
-            out[name] = float(value)
-        except ValueError:
-            raise InvalidSamplingParams(name, value, "a number (an int, float or numeric string)") from None
+            number = float(value)
+            if name in INT_FIELDS:
+                if not number.is_integer():
+                    raise ValueError
+                out[name] = int(number)
+            else:
+                out[name] = number
+        except (ValueError, OverflowError):
+            kind = "an integer" if name in INT_FIELDS else "a number (an int, float or numeric string)"
+            raise InvalidSamplingParams(name, value, kind) from None
     return out
+
+
+def _breakers(value: Any) -> list[list[int]]:
+    """The breakers as the engine receives them: a list of token-id lists (the API server turned
+    the request's strings into these)."""
+    if (isinstance(value, (list, tuple)) and all(isinstance(b, (list, tuple)) and b
+                                                 and all(isinstance(t, int) and not isinstance(t, bool) for t in b)
+                                                 for b in value)):
+        return [list(b) for b in value]
+    raise InvalidSamplingParams(BREAKERS, value, "a list of strings (tokenised by the server's tokenizer; "
+                                "the server needs one: no --skip-tokenizer-init)")
 
 
 def to_tokensampler(params: Any, vocab_size: int) -> SamplingParams:

@@ -56,7 +56,7 @@ def install() -> None:
     import vllm.v1.worker.gpu_input_batch as input_batch
     import vllm.v1.worker.gpu_model_runner as runner_module
 
-    from .admission import check_allowed_against_bad_words, check_extra_args
+    from .admission import check_allowed_against_bad_words, check_extra_args, tokenize_breakers
     from .ranks import tensor_parallel
     from .sampler import TokenSamplerSampler
     from .shards import apply_bitmask_to_shard, shard_layout, sharding, skip_gather
@@ -110,6 +110,7 @@ def install() -> None:
     def tokenised(self: Any, tokenizer: Any) -> None:
         update_from_tokenizer(self, tokenizer)
         check_allowed_against_bad_words(self)
+        tokenize_breakers(self, tokenizer)
         check_extra_args(self)
 
     sampling_module.SamplingParams.update_from_tokenizer = tokenised
