@@ -42,8 +42,8 @@ def newest_first(history: torch.Tensor, windows: Sequence[int]) -> tuple[torch.T
     real = (history >= 0).sum(dim=1)
     n = torch.minimum(real, torch.as_tensor(list(windows), dtype=torch.int64, device=history.device))
     width = int(n.max()) if n.numel() else 0
-    rows, depth = history.shape
-    rev = history.flip(1)[:, :width].to(torch.int64) if width else history.new_empty((rows, 0), dtype=torch.int64)
+    rows = history.shape[0]
+    rev = history.flip(1)[:, :width].to(torch.int64)
     position = torch.arange(width, device=history.device)
     rev = torch.where(position[None, :] < n[:, None], rev, _padding(rows, width, 0, history.device))
     return torch.cat([rev, _padding(rows, MAX_CHUNK + 1, width, history.device)], dim=1), n
