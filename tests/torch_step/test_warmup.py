@@ -167,6 +167,24 @@ def test_compiled_functions_serve_every_row_count_without_guards_failing(compile
     assert _fallbacks() == before
 
 
+def test_a_function_first_called_on_a_row_view_serves_every_storage_offset(compiled):
+    """A compiled function whose first call passes a row view (storage offset >= 2, as
+    `logits[1:2]`) is compiled at offset 0: its one variant then serves tensors at offsets 0, 1 and
+    more without a guard refusing them (no eager fallback), with the eager function's results."""
+    from tokensampler.backends.torch_step import row_stats
+
+    def count_rows(z: torch.Tensor, floor: torch.Tensor) -> torch.Tensor:
+        return row_stats._count(z, floor)
+
+    count = compile_cache.maybe_compiled("offset_count", count_rows, True)
+    base = torch.randn(7, 3001)
+    before = _fallbacks()
+    for z in (base[3:4], base[:1], base.view(-1)[1:3001][None], base[2:6], base):
+        floor = torch.zeros(z.shape[0])
+        assert torch.equal(count(z, floor), row_stats._count(z, floor))
+    assert _fallbacks() == before and len(count.variants) == 1, compile_cache.report()["functions"]["offset_count"]
+
+
 def test_an_artefact_serves_only_the_thread_count_it_was_built_for(compiled, tmp_path, monkeypatch):
     """Inductor builds its CPU loops for torch's intra-op thread count, and a loaded artefact's guards
     refuse another one: after `torch.set_num_threads` changes it, a call compiles (or loads) the

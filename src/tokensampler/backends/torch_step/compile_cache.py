@@ -18,8 +18,9 @@ size (0, 1 and 2 included) and a call never traces or recompiles. A layout is to
 (inductor's CPU loops are built for it) and, per tensor argument, its dtype, whether it is literally
 contiguous (else whether its last dim is), and which of its other sizes are 0 or 1 (those are
 specialised). Views are passed as plain aliases of their storage, so no guard looks at a view's
-base. Each artefact is saved under inductor's own cache directory (`cache_dir()`:
-TORCHINDUCTOR_CACHE_DIR if the user set it, else inductor's default; tokensampler sets no
+base, and a function is compiled on examples at storage offset 0 (`_at_offset_zero`), so that one
+variant serves a tensor at any offset. Each artefact is saved under inductor's own cache directory
+(`cache_dir()`: TORCHINDUCTOR_CACHE_DIR if the user set it, else inductor's default; tokensampler sets no
 environment variable), in a folder keyed by the torch and tokensampler versions, the CPU capability
 and the source of the compiled code; a later process loads it without tracing
 (`torch.compiler.load_compiled_function`; inductor's once-per-process check of the CPU's vector ISA
@@ -128,6 +129,17 @@ def _plain(value: Any) -> Any:
     if not torch_private.is_view(value) and strides == list(value.stride()) and not value.is_inference():
         return value
     return value.new_empty(0).set_(value.untyped_storage(), value.storage_offset(), value.size(), strides)
+
+
+def _at_offset_zero(value: Any) -> Any:
+    """A tensor argument as a compilation example: itself at storage offset 0, else a copy with its
+    sizes and strides at offset 0. A variant traced at offset 0 serves every offset (the call
+    passes the data pointer; `test_warmup` checks it), but one traced on a row view such as
+    `logits[1:2]` keeps the offset as a guarded symbol (`2 <= storage_offset`) and would refuse
+    every tensor at offset 0, which would then run eagerly."""
+    if not isinstance(value, torch.Tensor) or value.storage_offset() == 0:
+        return value
+    return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype, device=value.device).copy_(value)
 
 
 def _layout(args: Sequence[Any], rows: Sequence[int]) -> tuple:
@@ -283,7 +295,7 @@ class CompiledFunction:
         return variant
 
     def _compile(self, path: Path, args: tuple, rows: Sequence[int]) -> Callable:
-        example = self._marked(args, rows)
+        example = self._marked(tuple(_at_offset_zero(a) for a in args), rows)
         with torch_private.size_oblivious():
             variant = torch_private.aot_compile(self.fn, example)
         self.stats["compiled"] += 1
