@@ -35,7 +35,7 @@ from ...core.constants import NEG_INF
 from ...core.params import SamplingParams
 from ...core.plan import full_row_stages
 from ...state import SamplerState
-from ...state.slots import MU, SURPRISE
+from ...state.slots import MU
 from . import stages
 from .argmax import first_argmax
 from .config import DEFAULT, TorchStepConfig
@@ -151,7 +151,7 @@ def record_surprise(state: SamplerState, slots: torch.Tensor, final: torch.Tenso
     elsewhere) for the rows `rows` (speculative verification: the emitted token, not the drawn one)."""
     for b in rows:
         ids = _ordered(final[b], final[b] > NEG_INF)
-        state.mirostat[slots[b], SURPRISE] = surprise(final[b], ids, int(tokens[b]))
+        state.mirostat_surprise[slots[b]] = surprise(final[b], ids, int(tokens[b]))
 
 
 def filter_row(row: torch.Tensor, kept: torch.Tensor, p: SamplingParams, coin: float, mu: float = 0.0
@@ -239,6 +239,6 @@ def _filter_and_draw(zs: torch.Tensor, row_max: torch.Tensor, row_slots: torch.T
         kept[j, ids] = True
         drawn[j] = token = _gumbel_argmax(part[j], ids, cols.keys[j])
         if mirostat:  # step 13 turns it into the new mu (`SamplerState.record_tokens`)
-            st.mirostat[s, SURPRISE] = surprise(part[j], ids, token)
+            st.mirostat_surprise[s] = surprise(part[j], ids, token)
     zs[sampled] = part.masked_fill_(~kept, NEG_INF)
     return drawn
