@@ -18,7 +18,8 @@ from tokensampler.integrations.vllm.params import EXTRA_ARGS_FIELDS, to_tokensam
 
 VALUES = {"dynatemp_range": 0.3, "dynatemp_exponent": 2.0, "top_n_sigma": 1.5, "typical_p": 0.9,
           "epsilon_cutoff": 0.01, "eta_cutoff": 0.02, "xtc_probability": 0.5, "xtc_threshold": 0.2,
-          "dry_multiplier": 0.8, "dry_base": 1.5, "dry_allowed_length": 3, "dry_penalty_last_n": 64}
+          "dry_multiplier": 0.8, "dry_base": 1.5, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
+          "mirostat_tau": 3.0, "mirostat_eta": 0.2}
 
 
 def test_every_field_is_passed_as_numbers_or_numeric_strings_and_unknown_keys_are_ignored():
@@ -32,12 +33,21 @@ def test_every_field_is_passed_as_numbers_or_numeric_strings_and_unknown_keys_ar
 @pytest.mark.parametrize("name,value", [("typical_p", 2), ("xtc_threshold", "abc"), ("eta_cutoff", [1]),
                                         ("dry_allowed_length", 2.5), ("dry_allowed_length", 0),
                                         ("dry_penalty_last_n", -2), ("dry_multiplier", -1),
-                                        ("dry_sequence_breakers", "\n")])
+                                        ("dry_sequence_breakers", "\n"), ("mirostat_tau", -0.5),
+                                        ("mirostat_tau", "inf"), ("mirostat_eta", -1), ("mirostat_eta", "x")])
 def test_a_bad_value_is_refused_naming_the_field(name, value):
     with pytest.raises(VLLMValidationError, match=name):
         check_extra_args(VllmParams(extra_args={name: value}))
     with pytest.raises(InvalidSamplingParams, match=name):
         to_tokensampler(VllmParams(extra_args={name: value}), 1000)
+
+
+def test_mirostat_tau_minus_one_is_off_and_numeric_strings_are_read():
+    """-1 (llama.cpp's off) turns Mirostat off; tau and eta arrive as numbers or numeric strings."""
+    off = to_tokensampler(VllmParams(temperature=0.8, extra_args={"mirostat_tau": -1}), 1000)
+    assert off.mirostat_tau is None and not off.full_row_fields
+    on = to_tokensampler(VllmParams(temperature=0.8, extra_args={"mirostat_tau": "4", "mirostat_eta": 0.5}), 1000)
+    assert (on.mirostat_tau, on.mirostat_eta) == (4.0, 0.5) and on.full_row_fields == (("mirostat_tau", 4.0),)
 
 
 def tiny_tokenizer(tmp_path):
