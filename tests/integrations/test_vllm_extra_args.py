@@ -98,3 +98,35 @@ def test_llama_cpp_breaker_expansion_by_hand():
     assert breakers_from_strings(["ab"], texts, tokenize) == ((0, 99), (6,), (8,), (9, 99))
     assert breakers_from_strings(["\n", ":"], texts, tokenize) == ((1,), (2,), (3,), (4,))
     assert breakers_from_strings([""], texts, tokenize) == ()
+
+
+def test_a_resumed_request_continues_its_mirostat_mu():
+    """The plugin's batch state parks a leaving request's mu and gives it back when the request is
+    admitted again with its outputs (preempted, or not scheduled for a step); a new request starts at 2 tau."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tokensampler.integrations.vllm.batch import BatchState
+
+    vocab = 50
+    state = BatchState(2, vocab, "cpu", logprobs_mode="raw_logprobs", max_logprobs=20)
+    requests = {rid: SimpleNamespace(sampling_params=VllmParams(temperature=1.0, seed=5, extra_args={
+        "mirostat_tau": 2.0, "mirostat_eta": 1.0}), prompt_token_ids=[1, 2], output_token_ids=[])
+        for rid in ("a", "b")}
+    state.follow(["a", "b"], requests.__getitem__)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens, _ = state.sample(torch.randn(2, vocab, generator=gen) * 3, [True, True])
+        for rid, token in zip(("a", "b"), tokens.tolist()):
+            requests[rid].output_token_ids.append(token)
+    mus = [state.generator.mu_of(s) for s in (0, 1)]
+    assert 4.0 not in mus
+    state.follow(["b"], requests.__getitem__)  # "a" leaves, "b" moves to row 0
+    assert state.generator.mu_of(0) == mus[1] and set(state.parked) == {"a"}
+    state.follow(["b", "a"], requests.__getitem__)  # "a" resumes with its outputs, and its mu
+    assert [state.generator.mu_of(s) for s in (0, 1)] == [mus[1], mus[0]] and not state.parked
+    requests["c"] = SimpleNamespace(sampling_params=requests["a"].sampling_params, prompt_token_ids=[3],
+                                    output_token_ids=[])
+    state.follow(["b", "c"], requests.__getitem__)
+    assert state.generator.mu_of(1) == 4.0 and set(state.parked) == {"a"}
