@@ -1,5 +1,5 @@
-"""The full-row samplers (docs/semantics.md steps 7 and 10.1-10.5): dynamic temperature, top-n-sigma,
-typical-p, epsilon, eta and XTC, on every backend.
+"""The full-row samplers (docs/semantics.md steps 7 and 10.1-10.6): dynamic temperature, top-n-sigma,
+typical-p, epsilon, eta, XTC and Mirostat (its mu compared to the bit), on every backend.
 
 Random and adversarial batches (ties, -inf, +inf, one kept id, all equal, huge values) against the
 reference token for token (logprobs included, raw and processed), on both torch routes and the
@@ -23,7 +23,7 @@ from tests.support.backends import make_sampler
 from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, UnsupportedOnSplit
 from tokensampler.core import rng
 from tokensampler.core.plan import FULL_ROW_STAGES, plan_step
-from tokensampler.reference import ReferenceRequest, reference_sample
+from tokensampler.reference import ReferenceRequest, reference_sample, reference_step
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the Triton interpreter's discarded lanes
 ROUTES = ("direct", "block", "kernels")
@@ -45,6 +45,8 @@ def random_params(r: random.Random, **fixed) -> SamplingParams:
         kw["eta_cutoff"] = r.choice([0.001, 0.05, 0.3])
     if r.random() < 0.4:
         kw.update(xtc_probability=r.choice([0.5, 1.0]), xtc_threshold=r.choice([0.0, 0.05, 0.1, 0.3, 0.5]))
+    if r.random() < 0.3:
+        kw.update(mirostat_tau=r.choice([0.0, 0.5, 2.0, 5.0]), mirostat_eta=r.choice([0.0, 0.1, 1.0]))
     for name, values in (("top_k", [1, 5, 20]), ("top_p", [0.5, 0.9]), ("min_p", [0.05, 0.2]),
                          ("repetition_penalty", [1.3])):
         if r.random() < 0.25:
@@ -96,11 +98,13 @@ def run_case(backend: str, case_seed: int, mode: str, steps: int = 3) -> None:
     for step in range(steps):
         logits = adversarial_logits(r, batch, vocab, padded)
         got = sampler.sample(logits)
-        want = reference_sample(logits, requests, vocab_size=vocab, logprobs_mode=mode)
+        want, mus = reference_step(logits, requests, vocab_size=vocab, logprobs_mode=mode)
         assert not dc.compare(f"{backend} case {case_seed} step {step}", got, want)
-        for req, token in zip(requests, want.token_ids.tolist()):
+        assert sampler.mus_of(range(batch)) == mus, (backend, case_seed, step)  # Mirostat's mu, to the bit
+        for req, token, mu in zip(requests, want.token_ids.tolist(), mus):
             req.output_token_ids.append(token)
             req.position += 1
+            req.mirostat_mu = mu
 
 
 @pytest.mark.parametrize("backend", ROUTES)
@@ -329,16 +333,17 @@ def test_the_triton_step_hands_these_rows_to_the_torch_step(monkeypatch):
     logits = torch.randn(2, 10)
     assert sampler.backends.choose(logits, plan_step([SamplingParams(top_k=3)], 10)) is sampler.backends.kernels
     for name, value in (("dynatemp_range", 0.5), ("top_n_sigma", 1.0), ("typical_p", 0.5),
-                        ("epsilon_cutoff", 0.1), ("eta_cutoff", 0.1), ("xtc_probability", 0.5)):
+                        ("epsilon_cutoff", 0.1), ("eta_cutoff", 0.1), ("xtc_probability", 0.5), ("mirostat_tau", 3.0)):
         plan = plan_step([SamplingParams(**{name: value})], 10)
         assert plan.full_row and sampler.backends.choose(logits, plan) is sampler.backends.torch_step
         greedy = plan_step([SamplingParams(temperature=0.0, **{name: value})], 10)
         assert not greedy.full_row and sampler.backends.choose(logits, greedy) is sampler.backends.kernels
-    assert set(FULL_ROW_STAGES) == {"dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc"}
+    assert set(FULL_ROW_STAGES) == {"dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc", "mirostat"}
 
 
 @pytest.mark.parametrize("field,value", [("dynatemp_range", 0.5), ("top_n_sigma", 1.0), ("typical_p", 0.5),
-                                         ("epsilon_cutoff", 0.1), ("eta_cutoff", 0.1), ("xtc_probability", 0.5)])
+                                         ("epsilon_cutoff", 0.1), ("eta_cutoff", 0.1), ("xtc_probability", 0.5),
+                                         ("mirostat_tau", 3.0)])
 def test_a_split_refuses_them_at_admission(field, value):
     """Every rank raises `UnsupportedOnSplit` naming the field (add_request, set_params); a greedy
     row, which ignores these samplers, is admitted."""

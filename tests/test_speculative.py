@@ -35,7 +35,7 @@ from tokensampler import (
 from tokensampler.core import rng
 from tokensampler.core.constants import NEG_INF
 from tokensampler.core.plan import plan_step
-from tokensampler.reference import ReferenceRequest, reference_sample_row
+from tokensampler.reference import ReferenceRequest, mirostat_mu_after, reference_sample_row
 from tokensampler.speculative import (
     ACCEPT_STREAM_BITS,
     RESIDUAL_STREAM_BITS,
@@ -262,6 +262,8 @@ TARGETS = {
     "typical_epsilon_eta": SamplingParams(temperature=1.0, typical_p=0.85, epsilon_cutoff=0.01, eta_cutoff=0.02),
     "dynatemp_sigma_xtc": SamplingParams(temperature=0.9, dynatemp_range=0.6, top_n_sigma=3.0,
                                          xtc_probability=1.0, xtc_threshold=0.2),
+    # Mirostat at mu = 2 tau = 3: the ids of surprise <= 3 bits (0 and 1 of P_LOGITS)
+    "mirostat": SamplingParams(temperature=1.0, mirostat_tau=1.5, mirostat_eta=0.1),
 }
 DRAFT = SamplingParams(temperature=1.0)
 
@@ -527,7 +529,7 @@ def test_split_match_mode_equals_unsplit_and_rejection_is_refused():
 
     rnd = random.Random(21)
     vocab, padded, batch, k, world = 61, 64, 4, 3, 2
-    params = [random_params(rnd, vocab, logprobs=False) for _ in range(batch)]
+    params = [random_params(rnd, vocab, logprobs=False, mirostat=False) for _ in range(batch)]
     prompts = [[rnd.randrange(vocab) for _ in range(3)] for _ in range(batch)]
     logits = random_logits(rnd, batch, k + 1, vocab, padded)
     unsplit = make_sampler(vocab, padded, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
@@ -588,7 +590,7 @@ FIRST_DRAFT = 1  # every row drafts id 1 first (q one-hot there), then a draft f
 
 def two_position_trial(target: SamplingParams, bitmask: torch.Tensor | None = None, trials: int = SPEC_TRIALS):
     """K = 2 rejection-mode verification of `trials` seeded rows: drafts (FIRST_DRAFT, x ~ q) with
-    q given at both positions. Returns the output and the second drafts."""
+    q given at both positions. Returns the output, the second drafts and the sampler."""
     position = len(PROMPT)
     q = filtered_probs(DRAFT, Q_LOGITS, position)
     second = torch.multinomial(q, trials, replacement=True, generator=torch.Generator().manual_seed(23))
@@ -602,7 +604,7 @@ def two_position_trial(target: SamplingParams, bitmask: torch.Tensor | None = No
     logits = P_LOGITS.expand(trials, 3, VOCAB).contiguous()
     masks = None if bitmask is None else bitmask.expand(trials, *bitmask.shape).contiguous()
     out = sampler.sample_speculative(logits, drafts, draft_probs=probs, mode="rejection", token_bitmask=masks)
-    return out, second
+    return out, second, sampler
 
 
 # bad words: id 2 always (one token); id 0 once the output ends with FIRST_DRAFT (two tokens), so
@@ -612,7 +614,7 @@ BAD_WORDS = SamplingParams(temperature=1.0, bad_words_token_ids=[[2], [FIRST_DRA
 
 def test_rejection_mode_emits_the_bad_word_filtered_target():
     position = len(PROMPT)
-    out, _ = two_position_trial(BAD_WORDS)
+    out, _, sampler = two_position_trial(BAD_WORDS)
     p0 = target_probs_of(BAD_WORDS, P_LOGITS, position)
     p1 = target_probs_of(BAD_WORDS, P_LOGITS, position + 1, outputs=[FIRST_DRAFT])
     assert float(p0[2]) == 0.0 and float(p1[0]) == 0.0 and float(p1[2]) == 0.0
@@ -628,6 +630,52 @@ def test_rejection_mode_emits_the_bad_word_filtered_target():
     assert chi_square_pvalue(second, target_probs_of(BAD_WORDS, P_LOGITS, position + 1)) < 1e-8
 
 
+# Mirostat with mu = 2 tau = 4.4 keeps ids 0-3 of P_LOGITS; the surprise of FIRST_DRAFT among them
+# (2.01 bits) is below tau, so mu rises to 4.59 and id 4 joins at the next position
+MIROSTAT = SamplingParams(temperature=1.0, mirostat_tau=2.2, mirostat_eta=1.0)
+
+
+def mirostat_target(mu: float | None, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the filtered target's probabilities, its final z) at `mu` (None: 2 tau)."""
+    request = ReferenceRequest(MIROSTAT, 0, position, PROMPT, [], 0, mirostat_mu=mu)
+    final = reference_sample_row(P_LOGITS, request, VOCAB, "processed_logits")[2][1]
+    return torch.softmax(final.to(torch.float64), dim=-1), final
+
+
+def test_rejection_mode_emits_the_mirostat_target_of_each_position_and_moves_mu():
+    """Position 1's target uses mu after the token emitted at position 0 (an accepted FIRST_DRAFT):
+    the emitted distribution at each position is the Mirostat-filtered target at that position's
+    mu, and each slot's mu afterwards is the oracle's after the tokens it emitted."""
+    position = len(PROMPT)
+    out, _, sampler = two_position_trial(MIROSTAT)
+    p0, final0 = mirostat_target(None, position)
+    request = ReferenceRequest(MIROSTAT, 0, position, PROMPT, [], 0)
+    mu1 = mirostat_mu_after(final0, final0 > NEG_INF, FIRST_DRAFT, request)
+    p1, _ = mirostat_target(mu1, position + 1)
+    assert float(p0[4]) == 0.0 and float(p1[4]) > 0.0  # mu moved, and the target with it
+    first = out.token_ids[:, 0]
+    assert chi_square_pvalue(first, p0) > 1e-4
+    accepted = out.num_emitted >= 2
+    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
+    second = out.token_ids[accepted, 1]
+    assert chi_square_pvalue(second, p1) > 1e-4
+    assert chi_square_pvalue(second, p0) < 1e-8  # control: position 1 at the admitted mu
+    # each slot's mu: the oracle's along the tokens the slot emitted (accepted, residual or bonus)
+    sampler_mus = sampler.mus_of(range(out.token_ids.shape[0]))
+    memo: dict = {}
+    for b in range(0, out.token_ids.shape[0], 37):
+        mu = None
+        for j in range(int(out.num_emitted[b])):
+            key = (mu, int(out.token_ids[b, j]))
+            if key not in memo:
+                _, final = mirostat_target(mu, position + j)
+                memo[key] = mirostat_mu_after(final, final > NEG_INF, key[1],
+                                              ReferenceRequest(MIROSTAT, 0, position + j, PROMPT, [], 0,
+                                                               mirostat_mu=mu))
+            mu = memo[key]
+        assert sampler_mus[b] == mu, (b, out.token_ids[b])
+
+
 # the bitmask of each position (the draft positions, then the bonus position)
 MASK_SETS = [{0, 1, 3, 4}, {1, 2, 4, 5}, {3, 5}]
 MASKED = SamplingParams(temperature=1.3, top_k=5)
@@ -636,7 +684,7 @@ MASKED = SamplingParams(temperature=1.3, top_k=5)
 def test_rejection_mode_emits_the_bitmask_filtered_target():
     position = len(PROMPT)
     bitmask = pack_bits(MASK_SETS, 1)  # [K+1, W]: one row per position
-    out, _ = two_position_trial(MASKED, bitmask)
+    out, _, sampler = two_position_trial(MASKED, bitmask)
     p0 = target_probs_of(MASKED, P_LOGITS, position, allowed=MASK_SETS[0])
     p1 = target_probs_of(MASKED, P_LOGITS, position + 1, [FIRST_DRAFT], allowed=MASK_SETS[1])
     p2 = target_probs_of(MASKED, P_LOGITS, position + 2, allowed=MASK_SETS[2])  # the history does not matter

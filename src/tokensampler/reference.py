@@ -35,6 +35,15 @@ class ReferenceRequest:
     output_token_ids: Sequence[int] = ()
     stream: int = 0
     eos_token_ids: Sequence[int] = field(default_factory=tuple)
+    mirostat_mu: float | None = None  # Mirostat's mu before this token (None: 2 * tau, the admitted value)
+
+    @property
+    def mu(self) -> float | None:
+        """The mu step 10.6 reads (None: Mirostat off)."""
+        tau = self.params.mirostat_tau
+        if tau is None:
+            return None
+        return 2.0 * tau if self.mirostat_mu is None else float(self.mirostat_mu)
 
 
 def bitmask_allowed_ids(bitmask: torch.Tensor, vocab_size: int) -> list[set[int]]:
@@ -135,7 +144,7 @@ def _top_n(order_key: torch.Tensor, n: int) -> torch.Tensor:
     return torch.sort(order_key, descending=True, stable=True).indices[:n]
 
 
-# ------------------------------------------------------------------ steps 7 and 10.1-10.5
+# ------------------------------------------------------------------ steps 7 and 10.1-10.6
 def canonical_ids(z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     """The kept ids by z descending, the lower id first among equal z (the order every full-row
     quantity is summed in)."""
@@ -168,8 +177,9 @@ def dynamic_temperature(z: torch.Tensor, kept: torch.Tensor, params: SamplingPar
 
 
 def full_row_filters(z: torch.Tensor, kept: torch.Tensor, request: ReferenceRequest) -> torch.Tensor:
-    """Steps 10.1-10.5 on the kept ids of z (= z / T, float32): each filter on what the previous left,
-    its probabilities q = e / S renormalised there (float64, summed in the canonical order)."""
+    """Steps 10.1-10.6 on the kept ids of z (= z / T, float32): each filter on what the previous left,
+    its probabilities q = e / S renormalised there (float64, summed in the canonical order); Mirostat
+    (10.6) reads `request.mu`."""
     params = request.params
     ids = canonical_ids(z, kept)
     x = z[ids].to(torch.float64)  # descending: x[0] is the max
@@ -202,9 +212,26 @@ def full_row_filters(z: torch.Tensor, kept: torch.Tensor, request: ReferenceRequ
         above = int((e / _total(e) >= params.xtc_threshold).sum())
         if above >= 2:
             ids, x = ids[above - 1:], x[above - 1:]
+    if params.mirostat_tau is not None:  # 10.6: surprise -log2 q <= mu; none: the ids tied at the max
+        e = torch.exp(x - x[0])
+        keep = -torch.log2(e / _total(e)) <= request.mu
+        if not bool(keep.any()):
+            keep = x == x[0]
+        ids, x = ids[keep], x[keep]
     out = torch.zeros_like(kept)
     out[ids] = True
     return out
+
+
+def mirostat_mu_after(z: torch.Tensor, kept: torch.Tensor, token: int, request: ReferenceRequest) -> float:
+    """Step 13's Mirostat update: mu - eta (-log2 q'_t - tau), q' the softmax of z (= z / T) over the
+    kept ids (after 10.6; float64, summed in the canonical order), t the token drawn."""
+    ids = canonical_ids(z, kept)
+    x = z[ids].to(torch.float64)
+    e = torch.exp(x - x[0])
+    q = e / _total(e)
+    surprise = float(-torch.log2(q[int((ids == token).nonzero())]))
+    return request.mu - request.params.mirostat_eta * (surprise - request.params.mirostat_tau)
 
 
 def _log_softmax(z: torch.Tensor) -> torch.Tensor:
@@ -215,6 +242,12 @@ def _log_softmax(z: torch.Tensor) -> torch.Tensor:
 
 def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vocab_size: int,
                          logprobs_mode: str = "raw_logprobs", step_allowed: Collection[int] | None = None):
+    """`reference_step_row` without Mirostat's mu: (token, valid, (scores, values) or None)."""
+    return reference_step_row(logits_row, request, vocab_size, logprobs_mode, step_allowed)[:3]
+
+
+def reference_step_row(logits_row: torch.Tensor, request: ReferenceRequest, vocab_size: int,
+                       logprobs_mode: str = "raw_logprobs", step_allowed: Collection[int] | None = None):
     """The definition for one row, one step per block.
 
     Parameters
@@ -225,9 +258,10 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
 
     Returns
     -------
-    (token int, valid bool, (scores, values) or None): scores and values float32 [V], the values
+    (token int, valid bool, (scores, values) or None, mu): scores and values float32 [V], the values
     asked by `logprobs_mode` and the scores they were computed from, which order the ids for ranks
-    and the top-N (so rounding to logprobs cannot create ties)."""
+    and the top-N (so rounding to logprobs cannot create ties); mu: Mirostat's mu after this token
+    (`request.mu` where 10.6 did not run: a greedy row, a row with no id left; None: Mirostat off)."""
     params = request.params
     # 1. float32, padding removed, NaN and -inf removed
     z = logits_row.detach().to("cpu", torch.float32)[:vocab_size].clone()
@@ -274,6 +308,7 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
     kept = ~torch.isneginf(z)
     valid = bool(kept.any())
     greedy = params.greedy
+    mu = request.mu
     if valid and not greedy:
         # 7. temperature (an underflow to -inf removes the id; if none is left, the row is invalid)
         t = torch.tensor(params.temperature, dtype=torch.float32)
@@ -313,12 +348,14 @@ def reference_sample_row(logits_row: torch.Tensor, request: ReferenceRequest, vo
         score = torch.where(kept, z + g, torch.full_like(z, NEG_INF))
         token = int(torch.argmax(score))
         final = z
+        if mu is not None:  # 13. Mirostat's mu, on the surprise of the token among the kept ids
+            mu = mirostat_mu_after(z, kept, token, request)
     # 12. processed values
     if logprobs_mode == "processed_logprobs":
         lp_values = (final.clone(), _log_softmax(final))
     elif logprobs_mode == "processed_logits":
         lp_values = (final.clone(), final.clone())
-    return token, valid, lp_values
+    return token, valid, lp_values, mu
 
 
 def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest], *,
@@ -331,24 +368,33 @@ def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest],
     Returns a CPU `SamplerOutput`; logprobs follow the same conventions as `Sampler.sample`
     (ranks and the top-N order are taken on the values before rounding to logprobs: value, then id).
     """
+    return reference_step(logits, requests, vocab_size=vocab_size, logprobs_mode=logprobs_mode, allowed=allowed)[0]
+
+
+def reference_step(logits: torch.Tensor, requests: Sequence[ReferenceRequest], *,
+                   vocab_size: int | None = None, logprobs_mode: str = "raw_logprobs",
+                   allowed: Sequence[Collection[int] | None] | None = None) -> tuple[SamplerOutput, list]:
+    """`reference_sample`, and each row's Mirostat mu after its token (None where Mirostat is off):
+    the value the next step's `ReferenceRequest.mirostat_mu` takes."""
     if logprobs_mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode={logprobs_mode!r} is invalid: allowed {LOGPROBS_MODES}")
     vocab = logits.shape[-1] if vocab_size is None else vocab_size
     step_allowed = [None] * len(requests) if allowed is None else list(allowed)
-    rows = [reference_sample_row(logits[b], req, vocab, logprobs_mode, step_allowed[b])
+    rows = [reference_step_row(logits[b], req, vocab, logprobs_mode, step_allowed[b])
             for b, req in enumerate(requests)]
+    mus = [row[3] for row in rows]
     tokens = torch.tensor([row[0] for row in rows], dtype=torch.int64)
     valid = torch.tensor([row[1] for row in rows], dtype=torch.bool)
     asked = [req.params.logprobs for req in requests if req.params.logprobs is not None]
     if not asked:
-        return SamplerOutput(tokens, valid, None)
+        return SamplerOutput(tokens, valid, None), mus
     width = max(vocab if n == -1 else min(n, vocab) for n in asked)
     batch = len(requests)
     token_lp = torch.zeros(batch, dtype=torch.float32)
     ranks = torch.zeros(batch, dtype=torch.int64)
     top_ids = torch.full((batch, width), -1, dtype=torch.int64)
     top_lp = torch.full((batch, width), NEG_INF, dtype=torch.float32)
-    for b, (req, (token, _, (order_key, values))) in enumerate(zip(requests, rows)):
+    for b, (req, (token, _, (order_key, values), _)) in enumerate(zip(requests, rows)):
         if req.params.logprobs is None:
             continue
         token_lp[b] = values[token]
@@ -357,4 +403,4 @@ def reference_sample(logits: torch.Tensor, requests: Sequence[ReferenceRequest],
         ids = _top_n(order_key, n)
         top_ids[b, :n] = ids
         top_lp[b, :n] = values[ids]
-    return SamplerOutput(tokens, valid, LogprobsOutput(token_lp, ranks, top_ids, top_lp))
+    return SamplerOutput(tokens, valid, LogprobsOutput(token_lp, ranks, top_ids, top_lp)), mus

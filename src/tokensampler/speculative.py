@@ -18,7 +18,9 @@
   device, one position at a time; the bonus position runs the ordinary backend step.
 
 Both advance the state one position at a time: position j is computed from the slot's history
-with the tokens emitted before it in this call already counted (step 13 after every emitted token).
+with the tokens emitted before it in this call already counted (step 13 after every emitted token),
+and with Mirostat's mu after them: rejection mode updates mu with the surprise of the token it
+emits (accepted draft or residual token) among position j's kept ids.
 
 Noise streams: the acceptance uniforms and the residual's Gumbel noise use streams of their own
 (`accept_stream`, `residual_stream`): the request's stream with the top bit set (accept), or the
@@ -367,6 +369,10 @@ def verify_rejection(backends: Backends, target_logits: torch.Tensor, draft_toke
         emit = torch.where(accept, drafts, emit)
         safe_emit = torch.where(alive, emit, 0)
         out.put(j, alive, safe_emit, rows.valid, _position_logprobs(rows, safe_emit, plan, logprobs_mode, compiled))
+        if plan.mirostat:  # Mirostat's mu moves with the emitted token's surprise (step 13, at record_tokens)
+            miro = [b for b in (alive & rows.sampled).nonzero().squeeze(1).tolist()
+                    if plan.rows[b].mirostat_tau is not None]
+            extra_filters.record_surprise(st, index, rows.final, safe_emit, miro)
         st.record_tokens(index, safe_emit, _records(alive, record))
         alive = accept
         if not bool(alive.any()):

@@ -2,9 +2,10 @@
 
 Random admissions, finishes (released or not), condensing and arbitrary remaps, host and device
 decodes with random reload/reset commands, prefill steps that sample only the admitted slots,
-parameter changes and traced steps. After every step each live request's token must equal a fresh
-single-request `Sampler`'s (checked inside `support.engine.Engine`), and the generator's seeds
-and positions must follow every request. Small vocabulary and batches so the suite stays fast.
+parameter changes, preemptions resumed with the request's outputs, seed and Mirostat mu, and traced
+steps. After every step each live request's token must equal a fresh single-request `Sampler`'s
+(checked inside `support.engine.Engine`), and the generator's seeds, positions and Mirostat mu must
+follow every request. Small vocabulary and batches so the suite stays fast.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def sampling_params(draw) -> SamplingParams:
         kwargs["allowed_token_ids"] = tuple(range(draw(st.integers(0, 40)), 50))
     if draw(st.integers(0, 4)) == 0:
         kwargs["logit_bias"] = {draw(st.integers(0, V - 1)): draw(st.sampled_from([-100.0, 3.0]))}
+    if draw(st.integers(0, 3)) == 0:  # Mirostat: mu must follow the request like its position
+        kwargs.update(mirostat_tau=draw(st.sampled_from([0.5, 2.0, 4.0])),
+                      mirostat_eta=draw(st.sampled_from([0.1, 1.0])))
     return SamplingParams(**kwargs)
 
 
@@ -96,8 +100,17 @@ class EngineSchedule(RuleBasedStateMachine):
         slot = data.draw(st.sampled_from(self.engine.live_slots()))
         request = self.engine.slots[slot]
         new = dataclasses.replace(data.draw(sampling_params()), seed=request.params.seed)
-        self.engine.slots[slot] = dataclasses.replace(request, params=new)
+        self.engine.retune(slot, new)
         self.params_dirty = True
+
+    @precondition(lambda self: self.engine.pending_remap is None and not self.engine.needs_rebuild
+                  and any(not self.engine.slots[s].retuned for s in self.engine.live_slots()))
+    @rule(data=st.data())
+    def preempt_and_resume(self, data):
+        """A request preempted and resumed (into its slot or a free one) with its outputs, seed and mu."""
+        engine = self.engine
+        slot = data.draw(st.sampled_from([s for s in engine.live_slots() if not engine.slots[s].retuned]))
+        engine.preempt_and_resume(slot, data.draw(st.sampled_from([slot] + engine.free_slots())))
 
     # ------------------------------------------------------------ steps
     @rule(mode=st.sampled_from(["device", "device", "host"]), reload=st.booleans(), reset=st.booleans(),

@@ -18,7 +18,8 @@ from tokensampler.integrations.vllm.params import EXTRA_ARGS_FIELDS, to_tokensam
 
 VALUES = {"dynatemp_range": 0.3, "dynatemp_exponent": 2.0, "top_n_sigma": 1.5, "typical_p": 0.9,
           "epsilon_cutoff": 0.01, "eta_cutoff": 0.02, "xtc_probability": 0.5, "xtc_threshold": 0.2,
-          "dry_multiplier": 0.8, "dry_base": 1.5, "dry_allowed_length": 3, "dry_penalty_last_n": 64}
+          "dry_multiplier": 0.8, "dry_base": 1.5, "dry_allowed_length": 3, "dry_penalty_last_n": 64,
+          "mirostat_tau": 3.0, "mirostat_eta": 0.2}
 
 
 def test_every_field_is_passed_as_numbers_or_numeric_strings_and_unknown_keys_are_ignored():
@@ -32,12 +33,21 @@ def test_every_field_is_passed_as_numbers_or_numeric_strings_and_unknown_keys_ar
 @pytest.mark.parametrize("name,value", [("typical_p", 2), ("xtc_threshold", "abc"), ("eta_cutoff", [1]),
                                         ("dry_allowed_length", 2.5), ("dry_allowed_length", 0),
                                         ("dry_penalty_last_n", -2), ("dry_multiplier", -1),
-                                        ("dry_sequence_breakers", "\n")])
+                                        ("dry_sequence_breakers", "\n"), ("mirostat_tau", -0.5),
+                                        ("mirostat_tau", "inf"), ("mirostat_eta", -1), ("mirostat_eta", "x")])
 def test_a_bad_value_is_refused_naming_the_field(name, value):
     with pytest.raises(VLLMValidationError, match=name):
         check_extra_args(VllmParams(extra_args={name: value}))
     with pytest.raises(InvalidSamplingParams, match=name):
         to_tokensampler(VllmParams(extra_args={name: value}), 1000)
+
+
+def test_mirostat_tau_minus_one_is_off_and_numeric_strings_are_read():
+    """-1 (llama.cpp's off) turns Mirostat off; tau and eta arrive as numbers or numeric strings."""
+    off = to_tokensampler(VllmParams(temperature=0.8, extra_args={"mirostat_tau": -1}), 1000)
+    assert off.mirostat_tau is None and not off.full_row_fields
+    on = to_tokensampler(VllmParams(temperature=0.8, extra_args={"mirostat_tau": "4", "mirostat_eta": 0.5}), 1000)
+    assert (on.mirostat_tau, on.mirostat_eta) == (4.0, 0.5) and on.full_row_fields == (("mirostat_tau", 4.0),)
 
 
 def tiny_tokenizer(tmp_path):
@@ -88,3 +98,35 @@ def test_llama_cpp_breaker_expansion_by_hand():
     assert breakers_from_strings(["ab"], texts, tokenize) == ((0, 99), (6,), (8,), (9, 99))
     assert breakers_from_strings(["\n", ":"], texts, tokenize) == ((1,), (2,), (3,), (4,))
     assert breakers_from_strings([""], texts, tokenize) == ()
+
+
+def test_a_resumed_request_continues_its_mirostat_mu():
+    """The plugin's batch state parks a leaving request's mu and gives it back when the request is
+    admitted again with its outputs (preempted, or not scheduled for a step); a new request starts at 2 tau."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from tokensampler.integrations.vllm.batch import BatchState
+
+    vocab = 50
+    state = BatchState(2, vocab, "cpu", logprobs_mode="raw_logprobs", max_logprobs=20)
+    requests = {rid: SimpleNamespace(sampling_params=VllmParams(temperature=1.0, seed=5, extra_args={
+        "mirostat_tau": 2.0, "mirostat_eta": 1.0}), prompt_token_ids=[1, 2], output_token_ids=[])
+        for rid in ("a", "b")}
+    state.follow(["a", "b"], requests.__getitem__)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        tokens, _ = state.sample(torch.randn(2, vocab, generator=gen) * 3, [True, True])
+        for rid, token in zip(("a", "b"), tokens.tolist()):
+            requests[rid].output_token_ids.append(token)
+    mus = [state.generator.mu_of(s) for s in (0, 1)]
+    assert 4.0 not in mus
+    state.follow(["b"], requests.__getitem__)  # "a" leaves, "b" moves to row 0
+    assert state.generator.mu_of(0) == mus[1] and set(state.parked) == {"a"}
+    state.follow(["b", "a"], requests.__getitem__)  # "a" resumes with its outputs, and its mu
+    assert [state.generator.mu_of(s) for s in (0, 1)] == [mus[1], mus[0]] and not state.parked
+    requests["c"] = SimpleNamespace(sampling_params=requests["a"].sampling_params, prompt_token_ids=[3],
+                                    output_token_ids=[])
+    state.follow(["b", "c"], requests.__getitem__)
+    assert state.generator.mu_of(1) == 4.0 and set(state.parked) == {"a"}

@@ -18,7 +18,7 @@ from tests.support.slot_state import check_slot_state
 from tokensampler import Sampler, SamplingParams
 from tokensampler.engine.batch_params import BatchSamplingParams
 from tokensampler.engine.generator import NEUTRAL_PARAMS, SamplingGenerator
-from tokensampler.reference import ReferenceRequest, reference_sample
+from tokensampler.reference import ReferenceRequest, reference_step
 
 EOS = (1,)
 
@@ -31,23 +31,32 @@ class Request:
     seed: int = -1
     stream: int = 0
     outputs: list[int] = field(default_factory=list)
+    mu: float | None = None  # Mirostat's mu (None: 2 tau, the admitted value; or Mirostat off)
+    retuned: bool = False  # new params not sent yet: the generator's mu restarts when they are
 
     @property
     def position(self) -> int:
         return len(self.prompt) + len(self.outputs)
 
+    @property
+    def want_mu(self) -> float | None:
+        tau = self.params.mirostat_tau
+        return None if tau is None else (2.0 * tau if self.mu is None else self.mu)
 
-def fresh_token(request: Request, logits_row: torch.Tensor, vocab_size: int, **sampler_kw) -> int:
-    """The token a fresh Sampler holding only this request returns."""
+
+def fresh_token(request: Request, logits_row: torch.Tensor, vocab_size: int, **sampler_kw) -> tuple[int, float | None]:
+    """The token a fresh Sampler holding only this request returns (at the request's Mirostat mu),
+    and the mu after it."""
     sampler = Sampler(vocab_size, max_slots=1, padded_vocab_size=logits_row.shape[-1], eos_token_ids=EOS,
                       **sampler_kw)
     params = dataclasses.replace(request.params, seed=request.seed)
     sampler.add_request(0, params, request.prompt, output_token_ids=request.outputs,
                         position=request.position, stream=request.stream)
-    return int(sampler.sample(logits_row[None]).token_ids[0])
+    sampler.set_mu([0], [request.mu])
+    return int(sampler.sample(logits_row[None]).token_ids[0]), sampler.mu_of(0)
 
 
-def fresh_tokens(requests: list[Request], logits_rows: torch.Tensor, vocab_size: int) -> list[int]:
+def fresh_tokens(requests: list[Request], logits_rows: torch.Tensor, vocab_size: int) -> list[tuple[int, float | None]]:
     """The same as `fresh_token` for each request, from one fresh Sampler holding all of them, one
     per slot (a row's token does not depend on the rest of the batch): the fast form of the check."""
     sampler = Sampler(vocab_size, max_slots=len(requests), padded_vocab_size=logits_rows.shape[-1],
@@ -55,7 +64,9 @@ def fresh_tokens(requests: list[Request], logits_rows: torch.Tensor, vocab_size:
     for slot, request in enumerate(requests):
         sampler.add_request(slot, dataclasses.replace(request.params, seed=request.seed), request.prompt,
                             output_token_ids=request.outputs, position=request.position, stream=request.stream)
-    return sampler.sample(logits_rows).token_ids.tolist()
+    sampler.set_mu(range(len(requests)), [r.mu for r in requests])
+    tokens = sampler.sample(logits_rows).token_ids.tolist()
+    return list(zip(tokens, sampler.mus_of(range(len(requests)))))
 
 
 class Engine:
@@ -109,6 +120,32 @@ class Engine:
                                        0 if streams is None else streams[i])
             self.next_rid += 1
         return slots
+
+    def retune(self, slot: int, params: SamplingParams) -> None:
+        """New parameters for the request in `slot`, sent with the next reload."""
+        r = self.slots[slot]
+        if params != r.params:
+            self.slots[slot] = dataclasses.replace(r, params=params, retuned=True)
+
+    def preempt_and_resume(self, slot: int, new_slot: int) -> None:
+        """The request leaves `slot` (released) and is admitted again into the free `new_slot` with
+        its outputs, seed, stream and Mirostat mu (`mu_of` before it left): it continues there."""
+        assert self.pending_remap is None and (new_slot == slot or self.slots[new_slot] is None)
+        r = self.slots[slot]
+        mu = self.gen.mu_of(slot)
+        self.gen.release_slots([slot])
+        self.slots[slot] = None
+        r.params = dataclasses.replace(r.params, seed=r.seed)  # the engine echoes the reported seed
+        width = max(len(r.prompt), len(r.outputs), 1)
+        rows = torch.full((2, width), -1, dtype=torch.int64)
+        rows[0, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.int64)
+        rows[1, :len(r.outputs)] = torch.tensor(r.outputs, dtype=torch.int64)
+        seeds = self.gen.apply_prefill_state(sampling_params=BatchSamplingParams.from_requests([r.params]),
+                                             prompt_tokens=rows[:1], empty_slots=[new_slot], streams=[r.stream],
+                                             output_tokens=rows[1:], mirostat_mu=[mu])
+        assert seeds == [r.seed]
+        self.stale -= {new_slot}
+        self.slots[new_slot] = r
 
     def finish(self, slot: int, release: bool = False) -> None:
         self.slots[slot] = None
@@ -165,6 +202,10 @@ class Engine:
                       "positions": positions if send_positions else None}
         self.gen.apply_decode_state(self.chunks(), reload_sampling_params=reload, reset_sampling_state=reset,
                                     slot_remap=self.pending_remap, sampling_mode=mode, **kwargs)
+        if reload:  # new params restart Mirostat's mu (set_params) where they changed
+            for r in self.slots:
+                if r is not None and r.retuned:
+                    r.mu, r.retuned = None, False
         self.pending_remap = None  # consumed by the call that carried it
         logits = self.logits() if logits is None else logits
         if mode == "host":
@@ -192,9 +233,13 @@ class Engine:
             r = self.slots[slot]
             (seed,), (position,), (stream,) = self.gen.seed_manager.get_new_values([slot])
             assert (seed, position, stream) == (r.seed, r.position, r.stream), (slot, r)
+            mu = self.gen.mu_of(slot)  # Mirostat's mu, read and written back like the position
+            assert mu == r.want_mu, (slot, r, mu)
             request = ReferenceRequest(dataclasses.replace(r.params, seed=seed), seed, position, r.prompt,
-                                       r.outputs, stream, EOS)
-            tokens[slot] = reference_sample(logits[slot:slot + 1], [request], vocab_size=self.vocab_size).token_ids[0]
+                                       r.outputs, stream, EOS, mirostat_mu=mu)
+            out, (mu,) = reference_step(logits[slot:slot + 1], [request], vocab_size=self.vocab_size)
+            tokens[slot] = out.token_ids[0]
+            self.gen.set_mu([slot], [mu])
         return tokens
 
     def _check_and_record(self, logits: torch.Tensor, tokens: torch.Tensor, active: list[int],
@@ -213,10 +258,11 @@ class Engine:
             expected = fresh_tokens([self.slots[s] for s in active], logits[active], self.vocab_size)
         else:
             expected = [fresh_token(self.slots[s], logits[s], self.vocab_size) for s in active]
-        for slot, want in zip(active, expected):
+        for slot, (want, mu) in zip(active, expected):
             r = self.slots[slot]
             assert int(tokens[slot]) == want, (self.steps, slot, r, int(tokens[slot]), want)
             r.outputs.append(int(tokens[slot]))
+            r.mu = mu
             self.checked_tokens += 1
         self.check_host_state()
 
@@ -227,6 +273,8 @@ class Engine:
             r = self.slots[slot]
             held = slot if self.pending_remap is None else self.pending_remap[slot]
             assert self.gen.seed_manager.snapshot(held) == (r.seed, r.position, r.stream), (slot, r)
+            if not r.retuned:  # Mirostat's mu follows the request too
+                assert self.gen.sampler.mu_of(held) == r.want_mu, (slot, r, self.gen.sampler.mu_of(held))
         check_slot_state(self.gen.sampler)
         # the generator's count of rows that are not greedy (a step forces argmax at 0) follows the rows
         sampled = [not r.params.greedy for r in self.gen.sampler.records_of(range(self.gen.num_lanes))]

@@ -12,8 +12,9 @@ from tokensampler import Sampler, SamplingParams
 from tokensampler.core.constants import NEG_INF
 
 
-def random_params(rnd: random.Random, vocab: int, *, logprobs: bool = True) -> SamplingParams:
-    """Greedy or sampled rows with every filter, penalties, DRY, bias, allowed ids, min_tokens and logprobs."""
+def random_params(rnd: random.Random, vocab: int, *, logprobs: bool = True, mirostat: bool = True) -> SamplingParams:
+    """Greedy or sampled rows with every filter, penalties, DRY, Mirostat, bias, allowed ids, min_tokens
+    and logprobs."""
     fields: dict = {"seed": rnd.choice([rnd.randrange(2**64), -rnd.randrange(2**63), 0, 7])}
     if rnd.random() < 0.25:
         fields["temperature"] = 0.0
@@ -40,6 +41,8 @@ def random_params(rnd: random.Random, vocab: int, *, logprobs: bool = True) -> S
         fields.update(dry_multiplier=rnd.choice([0.5, 2.0]), dry_base=rnd.choice([1.0, 1.75]),
                       dry_allowed_length=rnd.choice([1, 2]), dry_penalty_last_n=rnd.choice([-1, 6]),
                       dry_sequence_breakers=rnd.choice([(), ((rnd.randrange(vocab),),)]))
+    if rnd.random() < 0.3 and mirostat:  # Mirostat (not on a split): mu moves with every emitted token
+        fields.update(mirostat_tau=rnd.choice([0.0, 1.0, 3.0]), mirostat_eta=rnd.choice([0.1, 1.0]))
     return SamplingParams(**fields)
 
 
@@ -123,7 +126,7 @@ def step_plainly(sampler: Sampler, logits: torch.Tensor, slots: list[int], cuts:
 
 
 def snapshot(sampler: Sampler) -> list:
-    """Every device tensor of the state (cloned) and the host mirror."""
+    """Every device tensor of the state (cloned: Mirostat's mu included) and the host mirror."""
     st = sampler.state
     return [t.detach().cpu().clone() for t in st.slot_tensors()] + [list(st.params), list(st.seeds)]
 

@@ -102,6 +102,9 @@ class SamplingParams:
     dry_base >= 1 (finite float32); dry_allowed_length int >= 1; dry_penalty_last_n: -1 = the whole
     history (prompt + output, at most DRY_MAX_HISTORY = 8192 tokens), 0 = off, else the last n tokens
     (at most 8192); dry_sequence_breakers: token-id sequences (head, *tail) a match cannot cross.
+    Mirostat v2 (docs/semantics.md 10.6, sampled rows only): mirostat_tau: None (or -1) = off, else the
+    target surprise in bits, a float >= 0 (at most 3.4e38); mirostat_eta: the learning rate, a float >= 0
+    (at most 3.4e38). The slot's mu starts at 2 * tau.
     """
 
     temperature: float = 1.0
@@ -135,6 +138,8 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[tuple[int, ...], ...] = ()
+    mirostat_tau: float | None = None
+    mirostat_eta: float = 0.1
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -213,13 +218,14 @@ class SamplingParams:
 
     @property
     def full_row_fields(self) -> tuple[tuple[str, Any], ...]:
-        """(field, value) of each full-row sampler this sampled row turns on (steps 7, 10.1-10.5;
+        """(field, value) of each full-row sampler this sampled row turns on (steps 7, 10.1-10.6;
         none on a greedy row, which ignores them)."""
         if self.greedy:
             return ()
         on = (("dynatemp_range", self.dynatemp_range > 0), ("top_n_sigma", self.top_n_sigma is not None),
               ("typical_p", self.typical_p < 1), ("epsilon_cutoff", self.epsilon_cutoff > 0),
-              ("eta_cutoff", self.eta_cutoff > 0), ("xtc_probability", self.xtc_probability > 0))
+              ("eta_cutoff", self.eta_cutoff > 0), ("xtc_probability", self.xtc_probability > 0),
+              ("mirostat_tau", self.mirostat_tau is not None))
         return tuple((name, getattr(self, name)) for name, used in on if used)
 
     def token_ids_used(self) -> Iterable[tuple[str, int]]:
@@ -244,7 +250,7 @@ class SamplingParams:
 
 
 def _check_full_row_fields(params: SamplingParams) -> None:
-    """The fields of the full-row samplers (steps 7 and 10.1-10.5), checked and stored as floats."""
+    """The fields of the full-row samplers (steps 7 and 10.1-10.6), checked and stored as floats."""
     put = object.__setattr__
     finite = f"a float >= 0 {_FLOAT32_RANGE}"
     dyn = check_real("dynatemp_range", params.dynatemp_range, 0.0, _FLOAT32_MAX, allowed=finite)
@@ -269,6 +275,14 @@ def _check_full_row_fields(params: SamplingParams) -> None:
                                       allowed="a float in [0, 1)"))
     for name in ("xtc_probability", "xtc_threshold"):
         put(params, name, check_real(name, getattr(params, name), 0.0, 1.0, allowed="a float in [0, 1]"))
+    tau = params.mirostat_tau
+    if tau is not None:
+        allowed = f"None or -1 (off), or a float >= 0 (at most {_FLOAT32_MAX})"
+        tau = None if is_real(tau) and tau == -1 else check_real("mirostat_tau", tau, 0.0, _FLOAT32_MAX,
+                                                                  allowed=allowed)
+        put(params, "mirostat_tau", tau)
+    put(params, "mirostat_eta", check_real("mirostat_eta", params.mirostat_eta, 0.0, _FLOAT32_MAX,
+                                           allowed=f"a float >= 0 (at most {_FLOAT32_MAX})"))
 
 
 def _check_dry_fields(params: SamplingParams) -> None:

@@ -12,15 +12,17 @@ from typing import Sequence
 
 from .params import SamplingParams
 
-# The definition's edits (steps 3-5) and filters (steps 7-10.5), in the definition's order, each named
+# The definition's edits (steps 3-5) and filters (steps 7-10.6), in the definition's order, each named
 # by its `StepPlan` flag. "token_bitmask" is the one edit that is a call argument, not a row
 # parameter: `StepPlan.edits(token_bitmask=...)` adds it for a masked call. Every name has one
 # torch implementation in `backends/torch_step/stages.py` (docs/architecture.md, "Adding a stage").
 EDIT_STAGES = ("allowed_ids", "token_bitmask", "bad_words", "min_tokens", "logit_bias", "penalties", "dry")
-FILTER_STAGES = ("dynatemp", "min_p", "top_k", "top_p", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc")
+FILTER_STAGES = ("dynatemp", "min_p", "top_k", "top_p", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc",
+                 "mirostat")
 # The filters whose kept set is not a threshold of z / T (or that change T per row): their rows take
-# the torch step's full-row route (`backends/torch_step/extra_filters.py`), docs/semantics.md 7, 10.1-10.5.
-FULL_ROW_STAGES = ("dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc")
+# the torch step's full-row route (`backends/torch_step/extra_filters.py`), docs/semantics.md 7, 10.1-10.6.
+# Mirostat (10.6) also keeps a state per slot (mu, `SamplerState.mirostat_mu`), updated at step 13.
+FULL_ROW_STAGES = ("dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc", "mirostat")
 
 
 def full_row_stages(p: SamplingParams) -> tuple[str, ...]:
@@ -30,7 +32,7 @@ def full_row_stages(p: SamplingParams) -> tuple[str, ...]:
         return ()
     on = {"dynatemp": p.dynatemp_range > 0.0, "top_n_sigma": p.top_n_sigma is not None,
           "typical_p": p.typical_p < 1.0, "epsilon": p.epsilon_cutoff > 0.0, "eta": p.eta_cutoff > 0.0,
-          "xtc": p.xtc_probability > 0.0}
+          "xtc": p.xtc_probability > 0.0, "mirostat": p.mirostat_tau is not None}
     return tuple(name for name in FULL_ROW_STAGES if on[name])
 
 
@@ -59,11 +61,12 @@ class StepPlan:
     bad_words: bool = False  # a row has bad words (step 3, on the slot's recorded output)
     dry: bool = False  # a row has DRY (step 5.1, on the slot's history; greedy rows too)
     dynatemp: bool = False  # a sampled row has a dynamic temperature (step 7)
-    top_n_sigma: bool = False  # steps 10.1-10.5, on sampled rows
+    top_n_sigma: bool = False  # steps 10.1-10.6, on sampled rows
     typical_p: bool = False
     epsilon: bool = False
     eta: bool = False
     xtc: bool = False
+    mirostat: bool = False  # 10.6, with its mu updated at step 13
 
     def edits(self, token_bitmask: bool = False) -> tuple[str, ...]:
         """The edit stages (steps 3-5) some row of this plan needs, in the definition's order
@@ -79,7 +82,7 @@ class StepPlan:
 
     @property
     def filters(self) -> tuple[str, ...]:
-        """The filter stages (steps 7-10.5) some sampled row of this plan needs, in order (`FILTER_STAGES`)."""
+        """The filter stages (steps 7-10.6) some sampled row of this plan needs, in order (`FILTER_STAGES`)."""
         return tuple(name for name in FILTER_STAGES if getattr(self, name))
 
     @property

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
-from ..core.checks import check_int, check_slots
+from ..core.checks import as_list, check_int, check_slots
 from ..core.errors import InvalidSamplingParams
 from ..core.params import SamplingParams
 
@@ -80,6 +80,8 @@ class BatchSamplingParams:
     dry_allowed_length: Any = None
     dry_penalty_last_n: Any = None
     dry_sequence_breakers: Any = None
+    mirostat_tau: Any = None
+    mirostat_eta: Any = None
 
     @classmethod
     def from_requests(cls, requests: Sequence[SamplingParams]) -> "BatchSamplingParams":
@@ -305,3 +307,25 @@ def scatter_sampling_params_to_slots(params: Any, empty_slots: Sequence[int], sl
         for name, value in batch.lane(i, per_lane).items():
             columns[name][slot] = value
     return BatchSamplingParams(**columns)
+
+
+def lanes_by_slot(chunks: Any, occupied: Sequence[bool], sampling_dp: int, max_batch_size: int,
+                  make_requests: Callable[[BatchSamplingParams, int], list[SamplingParams]]
+                  ) -> dict[int, SamplingParams]:
+    """slot -> parameters for every occupied slot a lane of `chunks` (one `BatchSamplingParams` per
+    sampling group; a group's lane b is slot g * max_batch_size + b) covers, validated by
+    `make_requests(batch, lanes)`."""
+    chunk_list = [chunks] if isinstance(chunks, BatchSamplingParams) else as_list(
+        "chunks", chunks, f"a BatchSamplingParams, or a sequence of them with one per sampling group ({sampling_dp})")
+    if len(chunk_list) != sampling_dp:
+        raise InvalidSamplingParams("chunks", f"{len(chunk_list)} chunks", f"one per sampling group ({sampling_dp})")
+    given = {}
+    for group, chunk in enumerate(chunk_list):
+        batch = as_batch_params(chunk)
+        lanes = batch.num_lanes()
+        requests = make_requests(batch, max_batch_size)
+        for lane in range(max_batch_size if lanes is None else lanes):
+            slot = group * max_batch_size + lane
+            if occupied[slot]:
+                given[slot] = requests[lane]
+    return given

@@ -32,8 +32,9 @@ from ..core.errors import InvalidSamplingParams, StaleSamplingState, TraceMismat
 from ..core.output import LogprobsOutput, SamplerOutput, SpeculativeOutput
 from ..core.params import SamplingParams, check_params_for_vocab
 from ..sampler import Sampler
-from .batch_params import BatchSamplingParams, as_batch_params, format_requests
-from .inputs import logits_batch, positions_by_slot, token_rows
+from ..sampler.checks import check_mus
+from .batch_params import BatchSamplingParams, as_batch_params, format_requests, lanes_by_slot
+from .inputs import logits_batch, positions_by_slot, remapped_prompt_stale, token_rows
 from .seeds import SeedManager, check_slot_remap, check_streams, rank_local_slot_remap
 from .tracing import StepTracer, TraceKey
 
@@ -131,18 +132,31 @@ class SamplingGenerator:
         self._check_occupied("slot", [slot])
         return self.sampler.params_of(slot)
 
+    def mu_of(self, slot: int) -> float | None:
+        """Mirostat's mu of the slot's request (the sampler's: a device read; None: Mirostat off)."""
+        self._check_occupied("slot", [slot])
+        return self.sampler.mu_of(slot)
+
+    def set_mu(self, slots: Sequence[int], mus: Sequence[float | None]) -> None:
+        """Set Mirostat's mu of occupied slots (an engine that sampled their tokens on the host; None
+        keeps a slot's mu), as `seed_manager.get_new_values` advances their positions."""
+        self.agreement.check("set_mu", lambda: self._check_occupied("slots", slots))
+        self.sampler.set_mu(slots, mus)
+
     # ------------------------------------------------------------ prefill
     def apply_prefill_state(self, *, sampling_params: Any, prompt_tokens: Any, empty_slots: Sequence[int],
-                            streams: Sequence[int] | None = None, output_tokens: Any = None) -> list[int]:
+                            streams: Sequence[int] | None = None, output_tokens: Any = None,
+                            mirostat_mu: Sequence[float | None] | None = None) -> list[int]:
         """Admit one request per entry of `empty_slots` (request order), replacing what they held.
 
         sampling_params: one lane per slot (or scalars); prompt_tokens: `[len(empty_slots), S]`,
         -1 = padding. Each slot's position becomes its prompt length; streams (default 0) are the
         noise streams (choice i of an n > 1 request). output_tokens: `[len(empty_slots), S]` ids a
         request already generated (a preempted request resumed by the engine): they join its
-        penalty history and its position becomes prompt length + their number. Returns the
-        effective seeds (drawn for the unseeded). Every other slot keeps its parameters, history
-        and seed.
+        penalty history and its position becomes prompt length + their number. mirostat_mu: per
+        slot, the Mirostat mu a resumed request continues with (`mu_of` before it left; None, or no
+        list: 2 tau). Returns the effective seeds (drawn for the unseeded). Every other slot keeps
+        its parameters, history and seed.
         """
         def check() -> tuple:
             slots = self._check_slots("empty_slots", empty_slots)
@@ -162,10 +176,13 @@ class SamplingGenerator:
             lengths = lengths.tolist()
             if max(lengths) >= POSITION_LIMIT:
                 raise InvalidSamplingParams("prompt_tokens", max(lengths), f"prompts shorter than {POSITION_LIMIT}")
+            mus = [None] * len(slots) if mirostat_mu is None else as_list("mirostat_mu", mirostat_mu,
+                                                                          "None or one mu (or None) per slot")
+            check_mus(slots, mus, lambda slot: None, dict(zip(slots, requests)))
             return (slots, requests, prompts, outputs, lengths,
-                    None if streams is None else check_streams(int_list("streams", streams), len(slots)))
+                    None if streams is None else check_streams(int_list("streams", streams), len(slots)), mus)
 
-        slots, requests, prompts, outputs, lengths, streams = self.agreement.check("apply_prefill_state", check)
+        slots, requests, prompts, outputs, lengths, streams, mus = self.agreement.check("apply_prefill_state", check)
         if not slots:
             return []
         # every check is done (on every rank): change state
@@ -175,6 +192,7 @@ class SamplingGenerator:
             self._stale[slot] = self._prompt_stale[slot] = False
             self._write_device_params(slot, request)
         self.sampler.reset_history(slots, prompts.to(self.device), None if outputs is None else outputs.to(self.device))
+        self.sampler.set_mu(slots, mus)
         return seeds
 
     def release_slots(self, slots: Sequence[int]) -> None:
@@ -236,7 +254,7 @@ class SamplingGenerator:
                 if positions is not None:
                     new_positions = positions_by_slot(positions, live, n)
                 if sampling_mode == "device" and prompts is None and live:
-                    prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
+                    prompt_stale = remapped_prompt_stale(self._prompt_stale, remap, sampling_mode)
                     if any(prompt_stale[s] for s in live):
                         raise StaleSamplingState("prompt_tokens", None,
                                                  "the prompts of every slot: a host-mode remap left the device "
@@ -259,8 +277,11 @@ class SamplingGenerator:
             self.seed_manager.align_seed_counters_to_positions(list(new_positions), list(new_positions.values()))
             if live:
                 index = torch.tensor(live, dtype=torch.int64)
+                mirostat = [s for s in live if self.sampler.params_of(s).mirostat_tau is not None]
+                mus = self.sampler.mus_of(mirostat)  # mu follows the request: the rebuild keeps it
                 self.sampler.reset_history(live, None if prompts is None else prompts[index].to(self.device),
                                            None if outputs is None else outputs[index].to(self.device))
+                self.sampler.set_mu(mirostat, mus)
             if prompts is not None:
                 for slot in live:
                     self._prompt_stale[slot] = False
@@ -275,20 +296,9 @@ class SamplingGenerator:
         moved = [i for i, j in enumerate(remap) if i != j]
         self.sampler.move_slots(moved, [remap[i] for i in moved])
         self._occupied = [self._occupied[j] for j in remap]
-        self._prompt_stale = self._remapped(self._prompt_stale, remap, sampling_mode)
+        self._prompt_stale = remapped_prompt_stale(self._prompt_stale, remap, sampling_mode)
         self._stale = [self._stale[j] for j in remap] if sampling_mode == "device" else [True] * self.num_lanes
         self._sampled = [self._sampled[j] for j in remap]
-
-    @staticmethod
-    def _remapped(prompt_stale: list[bool], remap: list[int] | None, sampling_mode: str) -> list[bool]:
-        """Prompt-row staleness after `remap`: a device-mode remap keeps each row's flag with its
-        request; after a host-mode remap the contract asks for the prompts of every slot that
-        changed request (an engine sampling on the host owes the device no prompt rows)."""
-        if remap is None:
-            return list(prompt_stale)
-        if sampling_mode == "device":
-            return [prompt_stale[j] for j in remap]
-        return [prompt_stale[i] or remap[i] != i for i in range(len(remap))]
 
     # ------------------------------------------------------------ sampling
     def _active_lanes(self, active_slots: Sequence[int] | None, batch: int, what: str) -> list[int]:
@@ -419,22 +429,7 @@ class SamplingGenerator:
 
     def _chunk_lanes(self, chunks: Any, occupied: list[bool]) -> dict[int, SamplingParams]:
         """slot -> parameters for every occupied slot a chunk lane covers (validated)."""
-        chunk_list = [chunks] if isinstance(chunks, BatchSamplingParams) else as_list(
-            "chunks", chunks, f"a BatchSamplingParams, or a sequence of them with one per sampling group "
-            f"({self.sampling_dp})")
-        if len(chunk_list) != self.sampling_dp:
-            raise InvalidSamplingParams("chunks", f"{len(chunk_list)} chunks",
-                                        f"one per sampling group ({self.sampling_dp})")
-        given = {}
-        for group, chunk in enumerate(chunk_list):
-            batch = as_batch_params(chunk)
-            lanes = batch.num_lanes()
-            requests = self._requests(batch, self.max_batch_size)
-            for lane in range(self.max_batch_size if lanes is None else lanes):
-                slot = group * self.max_batch_size + lane
-                if occupied[slot]:
-                    given[slot] = requests[lane]
-        return given
+        return lanes_by_slot(chunks, occupied, self.sampling_dp, self.max_batch_size, self._requests)
 
     def _check_slots(self, name: str, slots: Sequence[int]) -> list[int]:
         return check_slots(name, slots, self.num_lanes)

@@ -52,3 +52,14 @@ def logits_batch(logits: Any, width: int, num_lanes: int, device: torch.device) 
         raise InvalidSamplingParams("logits", getattr(logits, "shape", logits),
                                     f"a tensor [B, {width}] with 1 <= B <= {num_lanes}")
     return check_logits(logits, width, device)[0]
+
+
+def remapped_prompt_stale(prompt_stale: list[bool], remap: list[int] | None, sampling_mode: str) -> list[bool]:
+    """Prompt-row staleness after `remap`: a device-mode remap keeps each row's flag with its
+    request; after a host-mode remap the contract asks for the prompts of every slot that
+    changed request (an engine sampling on the host owes the device no prompt rows)."""
+    if remap is None:
+        return list(prompt_stale)
+    if sampling_mode == "device":
+        return [prompt_stale[j] for j in remap]
+    return [prompt_stale[i] or remap[i] != i for i in range(len(remap))]

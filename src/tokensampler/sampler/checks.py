@@ -4,16 +4,41 @@ ranges of what a call passes (a slot's occupancy is the caller's `check_occupied
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Sequence
 
 import torch
 
-from ..core.checks import as_list, check_choice, check_int, check_token_ids, int_list
-from ..core.constants import INT64_MIN, LOGITS_DTYPES, POSITION_LIMIT, UINT64_MAX
+from ..backends.torch_step.config import TorchStepConfig
+from ..backends.triton.config import KernelConfig
+from ..core.checks import as_list, check_choice, check_int, check_real, check_token_ids, int_list, is_int
+from ..core.constants import INT64_MIN, LOGITS_DTYPES, LOGPROBS_MODES, POSITION_LIMIT, UINT64_MAX
 from ..core.errors import InvalidSamplingParams, UnsupportedOnSplit
 from ..core.params import SamplingParams, check_params_for_vocab
 from ..speculative import SPECULATIVE_MODES
 from ..state import VocabLayout
+
+
+def check_sampler(vocab_size: Any, max_slots: Any, padded_vocab_size: Any, world: int, logprobs_mode: Any,
+                  max_logprobs: Any, eos_token_ids: Any, step_config: Any, kernel_config: Any) -> tuple:
+    """The `Sampler`'s constructor arguments: (vocab_size, padded, max_slots, logprobs_mode,
+    max_logprobs, eos ids as a tuple)."""
+    check_int("vocab_size", vocab_size, 1)
+    check_int("max_slots", max_slots, 1)
+    padded = vocab_size if padded_vocab_size is None else padded_vocab_size
+    if not is_int(padded) or padded < vocab_size:
+        raise InvalidSamplingParams("padded_vocab_size", padded_vocab_size, f"None or an int >= {vocab_size}")
+    if padded % world:
+        raise InvalidSamplingParams("padded_vocab_size", padded, f"a multiple of the group size {world}")
+    check_choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
+    check_int("max_logprobs", max_logprobs, 0)
+    eos = int_list("eos_token_ids", eos_token_ids)
+    check_token_ids("eos_token_ids", eos, vocab_size)
+    for name, config, kind in (("step_config", step_config, TorchStepConfig),
+                               ("kernel_config", kernel_config, KernelConfig)):
+        if config is not None and not isinstance(config, kind):
+            raise InvalidSamplingParams(name, config, f"None or a {kind.__name__}")
+    return vocab_size, padded, max_slots, logprobs_mode, max_logprobs, tuple(eos)
 
 
 def check_noise(slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
@@ -167,6 +192,29 @@ def check_advance(slots: Sequence[int], counts: Sequence[int], check_occupied: C
         if position + count >= POSITION_LIMIT:
             raise InvalidSamplingParams("position", position + count, f"below {POSITION_LIMIT}")
     return slot_list, count_list
+
+
+def check_mus(slots: Sequence[int], mus: Sequence[float | None], check_occupied: Callable[[int], None],
+              params: Sequence[SamplingParams | None]) -> tuple[list[int], list[float]]:
+    """`Sampler.set_mu`'s (slots, mus) without the None entries: distinct occupied slots, each mu a
+    finite float on a slot whose request has Mirostat on (`params`: the host record, by slot)."""
+    slot_list = int_list("slots", slots)
+    mu_list = as_list("mus", mus, "a sequence of floats (or None), one per slot")
+    if len(mu_list) != len(slot_list):
+        raise InvalidSamplingParams("mus", f"{len(mu_list)} values", f"one per slot ({len(slot_list)})")
+    for slot in slot_list:
+        check_occupied(slot)
+    if len(set(slot_list)) != len(slot_list):
+        raise InvalidSamplingParams("slots", slot_list, "distinct slots")
+    out: tuple[list[int], list[float]] = ([], [])
+    for slot, mu in zip(slot_list, mu_list):
+        if mu is None:
+            continue
+        if params[slot].mirostat_tau is None:
+            raise InvalidSamplingParams("mus", mu, f"None for slot {slot}: its request has no Mirostat")
+        out[0].append(slot)
+        out[1].append(check_real("mu", mu, -math.inf, math.inf, allowed="a finite float"))
+    return out
 
 
 def check_moves(dst_slots: Sequence[int], src_slots: Sequence[int], check_slot: Callable[[int], None]

@@ -29,15 +29,11 @@ from ..backends.torch_step.config import TorchStepConfig
 from ..backends.triton.config import KernelConfig
 from ..core import rng
 from ..core.checks import (
-    check_choice,
     check_device,
     check_int,
     check_logits,
-    check_token_ids,
     int_list,
-    is_int,
 )
-from ..core.constants import LOGPROBS_MODES
 from ..core.errors import InvalidSamplingParams, SplitMismatch
 from ..core.output import SamplerOutput, SpeculativeOutput
 from ..core.params import SamplingParams, check_params_for_vocab
@@ -50,9 +46,11 @@ from .checks import (
     check_bitmask,
     check_history,
     check_moves,
+    check_mus,
     check_noise,
     check_record,
     check_request,
+    check_sampler,
     check_speculative,
 )
 
@@ -92,24 +90,11 @@ class Sampler:
         choices: list[BackendChoice] = []
 
         def check() -> tuple:
-            check_int("vocab_size", vocab_size, 1)
-            check_int("max_slots", max_slots, 1)
-            padded = vocab_size if padded_vocab_size is None else padded_vocab_size
-            if not is_int(padded) or padded < vocab_size:
-                raise InvalidSamplingParams("padded_vocab_size", padded_vocab_size, f"None or an int >= {vocab_size}")
-            if padded % world:
-                raise InvalidSamplingParams("padded_vocab_size", padded, f"a multiple of the group size {world}")
-            check_choice("logprobs_mode", logprobs_mode, LOGPROBS_MODES)
-            check_int("max_logprobs", max_logprobs, 0)
-            eos = int_list("eos_token_ids", eos_token_ids)
-            check_token_ids("eos_token_ids", eos, vocab_size)
-            for name, config, kind in (("step_config", step_config, TorchStepConfig),
-                                       ("kernel_config", kernel_config, KernelConfig)):
-                if config is not None and not isinstance(config, kind):
-                    raise InvalidSamplingParams(name, config, f"None or a {kind.__name__}")
+            checked = check_sampler(vocab_size, max_slots, padded_vocab_size, world, logprobs_mode, max_logprobs,
+                                    eos_token_ids, step_config, kernel_config)
             # the environment is read here only; kept out of what the ranks compare (it changes no token)
             choices.append(BackendChoice.resolve(backend, compile, self.device))
-            return vocab_size, padded, max_slots, logprobs_mode, max_logprobs, tuple(eos)
+            return checked
 
         # every rank builds the same sampler, or every rank raises (one all-gather, before any state)
         checked = self.agreement.check("Sampler", check)
@@ -146,14 +131,11 @@ class Sampler:
         return seed
 
     def set_params(self, slot: int, params: SamplingParams) -> None:
-        """Replace the parameters of an occupied `slot`, keeping its seed, position and history.
-
-        Bad words read the slot's latest output tokens, which the state keeps only as deep as the
-        longest bad word admitted so far (less one): new, longer bad words match only against the
-        tokens kept (a token not kept counts as no match) until `reset_history` (or a new
-        `add_request` with the outputs) rebuilds them. DRY likewise reads the history the state
-        keeps for it, from the first admission of a DRY request on, as deep as the widest DRY
-        window admitted: turning DRY on here, or widening its window, reads the tokens kept."""
+        """Replace the parameters of an occupied `slot`, keeping its seed, position and history;
+        Mirostat's mu starts again at 2 tau. Bad words and DRY read the latest tokens the state keeps
+        for them, as deep as the longest bad word (less one) and the widest DRY window admitted so
+        far: longer ones read only the tokens kept (a token not kept is no match) until
+        `reset_history` (or a new `add_request` with the outputs) rebuilds them."""
         def check() -> SamplingParams:
             self._check_occupied(slot)
             if not isinstance(params, SamplingParams):
@@ -200,7 +182,7 @@ class Sampler:
         (and the latest output tokens their bad words read).
 
         prompt_token_ids None keeps the prompt history; output_token_ids None clears the outputs
-        (and the output length that min_tokens counts).
+        (and the output length that min_tokens counts). Mirostat's mu starts again at 2 tau (`set_mu`).
         """
         index, prompt, output = self.agreement.check(
             "token histories", lambda: check_history(slots, prompt_token_ids, output_token_ids,
@@ -236,6 +218,23 @@ class Sampler:
     def positions_of(self, slots: Sequence[int]) -> list[int]:
         """The positions of the next tokens of occupied `slots` (one read of the device)."""
         return self.state.positions(self._occupied_list(slots))
+
+    def mus_of(self, slots: Sequence[int]) -> list[float | None]:
+        """Mirostat's mu of occupied `slots` (docs/semantics.md 10.6; one device read), None where off."""
+        slot_list = self._occupied_list(slots)
+        return [None if self.state.params[s].mirostat_tau is None else mu
+                for s, mu in zip(slot_list, self.state.mus(slot_list))]
+
+    def mu_of(self, slot: int) -> float | None:
+        """Mirostat's mu of the slot's request (a device read; None: Mirostat off)."""
+        return self.mus_of([slot])[0]
+
+    def set_mu(self, slots: Sequence[int], mus: Sequence[float | None]) -> None:
+        """Set Mirostat's mu of occupied slots (a request resumed, tokens sampled elsewhere): a finite
+        float per slot whose request has Mirostat; None keeps the slot's mu."""
+        slot_list, mu_list = self.agreement.check(
+            "mus", lambda: check_mus(slots, mus, self._check_occupied, self.state.params))
+        self.state.set_mus(slot_list, mu_list)
 
     def records_of(self, slots: Sequence[int]) -> list[SlotRecord]:
         """The host record (params, seed, drawn, stream) of each occupied slot of `slots`: no device read."""

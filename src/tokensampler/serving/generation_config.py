@@ -55,7 +55,8 @@ NEUTRAL_DEFAULTS: dict[str, float | int] = {
     "eta_cutoff": 0.0,
 }
 # The full-row samplers a request may set that no checkpoint file carries (llama.cpp's names).
-REQUEST_ONLY_FIELDS = ("dynatemp_range", "dynatemp_exponent", "top_n_sigma", "xtc_probability", "xtc_threshold")
+REQUEST_ONLY_FIELDS = ("dynatemp_range", "dynatemp_exponent", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                       "mirostat_tau", "mirostat_eta")
 
 
 # A generation config (file or override) that cannot be used; `.source` names the file.

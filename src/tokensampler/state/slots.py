@@ -8,9 +8,13 @@ bad words and the slot's latest output tokens (as many as the longest bad word a
 kept on the device and shifted by every recorded token. DRY (docs/semantics.md 5.1) reads a slot's
 latest history tokens, prompt and output together: `dry_history`, allocated when the first DRY
 request is admitted, as deep as the widest DRY window admitted so far, shifted by every recorded
-token. Every token id given here is global; the layout translates it to this rank's columns (a
-vocabulary split keeps only its slice; the bad words' and DRY's histories keep global ids on every
-rank).
+token. Mirostat (docs/semantics.md 10.6) keeps `mirostat`, float64 [S, 3]: each slot's mu, tau and
+eta, and `mirostat_surprise`, float64 [S], the surprise of the token a step just drew (NaN: none
+pending; not moved: a step sets and consumes it), both allocated at the first Mirostat admission;
+mu is set to 2 tau by `write_params` and `rebuild_history`, moved with the slot, and updated by
+`record_tokens` from the surprise the draw left. Every token id given here is global;
+the layout translates it to this rank's columns (a vocabulary split keeps only its slice; the bad
+words' and DRY's histories keep global ids on every rank).
 
 This object is the one owner of a slot's state. Beside the device columns it keeps the slot's host
 record: `params`, `seeds`, `drawn` (the seed was drawn for an unseeded request) and `streams`, so
@@ -32,6 +36,7 @@ from ..core.params import SamplingParams
 from .layout import VocabLayout
 
 _INT64_MAX = 2**63 - 1
+MU, TAU, ETA = range(3)  # the columns of `SamplerState.mirostat`
 
 
 class SlotRecord(NamedTuple):
@@ -80,6 +85,10 @@ class SamplerState:
         # DRY: int32 [S, depth] each slot's latest prompt + output tokens (global ids) right-aligned,
         # the newest last, -1 = none (a shorter history)
         self.dry_history: torch.Tensor | None = None
+        # Mirostat: float64 [S, 3] (MU, TAU, ETA) and [S] (the drawn token's surprise, NaN: none),
+        # None until a Mirostat request is admitted
+        self.mirostat: torch.Tensor | None = None
+        self.mirostat_surprise: torch.Tensor | None = None
         # the host record, written with the device columns (never after them): what the sampler
         # plans a step from and answers slot queries from without a device read
         self.params: list[SamplingParams | None] = [None] * max_slots
@@ -92,7 +101,7 @@ class SamplerState:
                    self.repetition, self.min_tokens, self.seed, self.position, self.stream, self.output_len,
                    self.prompt_mask, self.output_counts]
         optional = (self.logit_bias, self.allowed_mask, self.stop_mask, self.bad_words, self.recent_tokens,
-                    self.dry_history)
+                    self.dry_history, self.mirostat)
         return tensors + [t for t in optional if t is not None]
 
     @property
@@ -193,6 +202,13 @@ class SamplerState:
                 table[slot, w, length - len(word):] = torch.tensor(word, dtype=torch.int64, device=self.device)
         if params.dry:
             self._reserve_dry_history(dry_window(params.dry_penalty_last_n, DRY_MAX_HISTORY))
+        if params.mirostat_tau is not None or self.mirostat is not None:
+            if self.mirostat is None:
+                self.mirostat = torch.zeros((self.max_slots, 3), dtype=torch.float64, device=self.device)
+                self.mirostat_surprise = torch.full((self.max_slots,), float("nan"), dtype=torch.float64,
+                                                    device=self.device)
+            tau = 0.0 if params.mirostat_tau is None else params.mirostat_tau
+            self.mirostat[slot] = torch.tensor([2.0 * tau, tau, params.mirostat_eta], dtype=torch.float64)
         self.params[slot] = params
 
     def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
@@ -283,6 +299,32 @@ class SamplerState:
             if mask is not None:
                 shifted = torch.where(mask.to(device=slots.device)[:, None], shifted, old)
             self.dry_history[slots] = shifted
+        if self.mirostat is not None:
+            self._update_mu(slots, mask)
+
+    def _update_mu(self, slots: torch.Tensor, mask: torch.Tensor | None) -> None:
+        """Step 13 for Mirostat: mu -= eta (surprise - tau) on each recorded row whose draw left a
+        surprise (10.6 ran), in float64; every row's pending surprise is cleared."""
+        rows = self.mirostat[slots]
+        surprise = self.mirostat_surprise[slots]
+        pending = ~torch.isnan(surprise)
+        if mask is not None:
+            pending &= mask.to(device=slots.device)
+        mu = rows[:, MU] - rows[:, ETA] * (surprise - rows[:, TAU])
+        self.mirostat[slots, MU] = torch.where(pending, mu, rows[:, MU])
+        self.mirostat_surprise[slots] = float("nan")
+
+    def mus(self, slots: Sequence[int]) -> list[float]:
+        """The mu of `slots` (one device read; 0 where Mirostat was never admitted)."""
+        if self.mirostat is None or not len(slots):
+            return [0.0] * len(slots)
+        return self.mirostat[torch.tensor(list(slots), dtype=torch.int64, device=self.device), MU].tolist()
+
+    def set_mus(self, slots: Sequence[int], mus: Sequence[float]) -> None:
+        """Overwrite the mu of Mirostat slots (checked values)."""
+        if len(slots):
+            index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+            self.mirostat[index, MU] = torch.tensor(list(mus), dtype=torch.float64, device=self.device)
 
     def set_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
                   streams: Sequence[int], drawn: Sequence[bool]) -> None:
@@ -347,6 +389,8 @@ class SamplerState:
             self.recent_tokens[slots] = recent[:, :depth]
         if self.dry_history is not None:
             self._rebuild_dry_history(slots, prompt_tokens, output_tokens, old_lengths)
+        if self.mirostat is not None:  # a rebuilt history starts Mirostat afresh: mu = 2 tau
+            self.mirostat[slots, MU] = 2.0 * self.mirostat[slots, TAU]
 
     def _rebuild_dry_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
                              output_tokens: torch.Tensor | None, old_output_lengths: list[int]) -> None:

@@ -33,7 +33,7 @@ from ..serving.generation_config import (
 REQUEST_FLAGS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "seed", "max_tokens", "min_tokens", "n", "logprobs", "stop_token_ids", "stop",
                  "ignore_eos", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "dynatemp_range",
-                 "dynatemp_exponent", "xtc_probability", "xtc_threshold")
+                 "dynatemp_exponent", "xtc_probability", "xtc_threshold", "mirostat_tau", "mirostat_eta")
 
 
 def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPar
                        ("seed", int), ("max-tokens", int), ("min-tokens", int), ("n", int),
                        ("typical-p", float), ("epsilon-cutoff", float), ("eta-cutoff", float), ("top-n-sigma", float),
                        ("dynatemp-range", float), ("dynatemp-exponent", float), ("xtc-probability", float),
-                       ("xtc-threshold", float)):
+                       ("xtc-threshold", float), ("mirostat-tau", float), ("mirostat-eta", float)):
         parser.add_argument(f"--{name}", type=kind, default=None,
                             help="request field (default: the checkpoint's, else neutral)")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",

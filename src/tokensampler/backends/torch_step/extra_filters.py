@@ -1,5 +1,5 @@
-"""The full-row samplers in torch: dynamic temperature (step 7) and steps 10.1-10.5 of docs/semantics.md
-(top-n-sigma, typical-p, epsilon, eta, XTC), for the sampled rows whose parameters turn one on.
+"""The full-row samplers in torch: dynamic temperature (step 7) and steps 10.1-10.6 of docs/semantics.md
+(top-n-sigma, typical-p, epsilon, eta, XTC, Mirostat), for the sampled rows whose parameters turn one on.
 
 Their kept sets are not a threshold of `z / T` (typical-p, XTC) or need quantities of the whole kept
 set (entropy, standard deviation), so these rows take a route of their own, `draw_rows`:
@@ -8,10 +8,13 @@ set (entropy, standard deviation), so these rows take a route of their own, `dra
    row whose `T_dyn` is 0, or whose ids all underflow at `z / T_dyn`, is greedy from there;
 2. min-p, top-k and top-p as the torch step computes them (`stages.filter_and_draw` with the
    exact threshold, on `T_dyn`), which divides the rows in place;
-3. the five filters, one row at a time, on the row's kept values in the canonical order (`z`
+3. the six filters, one row at a time, on the row's kept values in the canonical order (`z`
    descending, lower id first), every quantity float64 and every sum a sequential float64 sum in
-   that order (`_sequential_sum`: a cumulative sum, which adds one term after the other);
-4. the Gumbel argmax of step 11 over the kept ids, with the definition's exact noise.
+   that order (`_sequential_sum`: a cumulative sum, which adds one term after the other); Mirostat
+   reads the slot's mu (`SamplerState.mirostat`);
+4. the Gumbel argmax of step 11 over the kept ids, with the definition's exact noise; a Mirostat
+   row leaves the surprise of its token in the state (`surprise`), which step 13
+   (`SamplerState.record_tokens`) turns into the new mu.
 
 Each row is computed as its own 1-d vector laid out as the definition orders it, so that every
 element goes through the same torch kernels as in `reference.py` (a vectorised float64 `exp`
@@ -32,6 +35,7 @@ from ...core.constants import NEG_INF
 from ...core.params import SamplingParams
 from ...core.plan import full_row_stages
 from ...state import SamplerState
+from ...state.slots import MU
 from . import stages
 from .argmax import first_argmax
 from .config import DEFAULT, TorchStepConfig
@@ -125,9 +129,36 @@ def _xtc(x: torch.Tensor, threshold: float) -> torch.Tensor:
     return keep
 
 
-def filter_row(row: torch.Tensor, kept: torch.Tensor, p: SamplingParams, coin: float) -> torch.Tensor:
-    """Steps 10.1-10.5 on one row (z / T float32 [V], its kept ids bool [V] after step 10), each
-    filter on what the previous left; coin: the row's XTC coin. Returns the kept ids, canonical order."""
+def _mirostat(x: torch.Tensor, mu: float) -> torch.Tensor:
+    """10.6: keep the ids of surprise -log2 q <= mu; if none, the ids tied at the maximum."""
+    e = torch.exp(x - x[0])
+    keep = -torch.log2(e / _sequential_sum(e)) <= mu
+    return keep if bool(keep.any()) else x == x[0]
+
+
+def surprise(row: torch.Tensor, ids: torch.Tensor, token: int) -> torch.Tensor:
+    """float64 0-d: -log2 q'_t, q' the softmax of one row's values (float32 [V]) over its kept `ids`
+    (canonical order), t = `token` (one of them): the surprise step 13 updates Mirostat's mu with."""
+    x = row[ids].to(torch.float64)
+    e = torch.exp(x - x[0])
+    q = e / _sequential_sum(e)
+    return -torch.log2(q[int((ids == token).nonzero())])
+
+
+def record_surprise(state: SamplerState, slots: torch.Tensor, final: torch.Tensor, tokens: torch.Tensor,
+                    rows: Sequence[int]) -> None:
+    """Leave in the state the surprise of `tokens[b]` among the kept ids of `final[b]` (z / T, -inf
+    elsewhere) for the rows `rows` (speculative verification: the emitted token, not the drawn one)."""
+    for b in rows:
+        ids = _ordered(final[b], final[b] > NEG_INF)
+        state.mirostat_surprise[slots[b]] = surprise(final[b], ids, int(tokens[b]))
+
+
+def filter_row(row: torch.Tensor, kept: torch.Tensor, p: SamplingParams, coin: float, mu: float = 0.0
+               ) -> torch.Tensor:
+    """Steps 10.1-10.6 on one row (z / T float32 [V], its kept ids bool [V] after step 10), each
+    filter on what the previous left; coin: the row's XTC coin; mu: its Mirostat mu. Returns the
+    kept ids, canonical order."""
     ids = _ordered(row, kept)
     steps = []
     if p.top_n_sigma is not None:
@@ -140,6 +171,8 @@ def filter_row(row: torch.Tensor, kept: torch.Tensor, p: SamplingParams, coin: f
         steps.append(lambda x: _cutoff(x, p.eta_cutoff, eta=True))
     if p.xtc_probability > 0 and coin < p.xtc_probability:
         steps.append(lambda x: _xtc(x, p.xtc_threshold))
+    if p.mirostat_tau is not None:
+        steps.append(lambda x: _mirostat(x, mu))
     for keep_of in steps:
         ids = ids[keep_of(row[ids].to(torch.float64))]
     return ids
@@ -197,12 +230,15 @@ def _filter_and_draw(zs: torch.Tensor, row_max: torch.Tensor, row_slots: torch.T
     for j, i in enumerate(sampled):
         p = row_params[i]
         if full_row_stages(p) in ((), ("dynatemp",)):
-            continue  # no step 10.1-10.5: the threshold's draw is the token
+            continue  # no step 10.1-10.6: the threshold's draw is the token
         s = row_slots[i]
         coin = float(rng.xtc_coin(st.seed[s], st.position[s], st.stream[s])) if p.xtc_probability > 0 else 1.0
-        ids = filter_row(part[j], kept[j], p, coin)
+        mirostat = p.mirostat_tau is not None
+        ids = filter_row(part[j], kept[j], p, coin, float(st.mirostat[s, MU]) if mirostat else 0.0)
         kept[j] = False
         kept[j, ids] = True
-        drawn[j] = _gumbel_argmax(part[j], ids, cols.keys[j])
+        drawn[j] = token = _gumbel_argmax(part[j], ids, cols.keys[j])
+        if mirostat:  # step 13 turns it into the new mu (`SamplerState.record_tokens`)
+            st.mirostat_surprise[s] = surprise(part[j], ids, token)
     zs[sampled] = part.masked_fill_(~kept, NEG_INF)
     return drawn

@@ -11,7 +11,9 @@ commands, in this order:
    the outputs they already have: their history and position continue from those).
 
 A request's seed, position and penalty counts stay on the device from step to step (O(B) updates by
-the sampled tokens); nothing is rebuilt from token lists except at admission. The comparison is
+the sampled tokens); nothing is rebuilt from token lists except at admission. Mirostat's mu cannot
+be rebuilt from tokens: a request that leaves with Mirostat on parks its mu (`parked`, the latest
+`PARKED_LIMIT` per lane, oldest dropped first) and a resumed one (with outputs) takes it back. The comparison is
 O(rows) on the host. Every admission is logged at DEBUG (logger `tokensampler.integrations.vllm`):
 request id, slot and the effective seed, drawn or given, so an unseeded request can be replayed.
 """
@@ -19,6 +21,7 @@ request id, slot and the effective seed, drawn or given, so an unseeded request 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,6 +34,7 @@ from .params import to_tokensampler
 from .shards import local_columns
 
 RequestLookup = Callable[[str], Any]  # request id -> vLLM's CachedRequestState
+PARKED_LIMIT = 4  # Mirostat mus kept per lane for requests that left (preempted, or finished)
 LOG = logging.getLogger("tokensampler.integrations.vllm")
 
 
@@ -60,6 +64,7 @@ class BatchState:
                                            backend=backend, compile=compile)
         self.held: list[str | None] = [None] * lanes  # the request id each slot holds (its identity only:
         # the slot's state, seed included, is the generator's sampler's)
+        self.parked: OrderedDict[str, float] = OrderedDict()  # request id -> Mirostat mu when it left
 
     @property
     def seeds(self) -> dict[str, int]:
@@ -75,6 +80,7 @@ class BatchState:
         present = set(rows)
         gone = [s for s, rid in enumerate(self.held) if rid is not None and rid not in present]
         if gone:
+            self._park(gone)
             self.generator.release_slots(gone)
             for s in gone:
                 self.held[s] = None
@@ -95,14 +101,26 @@ class BatchState:
         full = [j if j is not None else next(spare) for j in remap]
         return None if full == list(range(self.lanes)) else full
 
+    def _park(self, slots: list[int]) -> None:
+        """Keep the Mirostat mu of the requests leaving `slots` (one device read, only if one has it)."""
+        mirostat = [s for s in slots if self.generator.params_of(s).mirostat_tau is not None]
+        for slot in mirostat:
+            self.parked.pop(self.held[slot], None)
+        for slot, mu in zip(mirostat, self.generator.sampler.mus_of(mirostat)):
+            self.parked[self.held[slot]] = mu
+        while len(self.parked) > PARKED_LIMIT * self.lanes:
+            self.parked.popitem(last=False)
+
     def _admit(self, slots: list[int], req_ids: list[str], lookup: RequestLookup) -> None:
         requests = [lookup(rid) for rid in req_ids]
         params = [to_tokensampler(r.sampling_params, self.vocab_size) for r in requests]
         prompts = [list(r.prompt_token_ids or ()) for r in requests]
         outputs = [list(r.output_token_ids) for r in requests]
+        mus = [self.parked.pop(rid, None) if out and p.mirostat_tau is not None else None
+               for rid, out, p in zip(req_ids, outputs, params)]  # a resumed request continues its mu
         seeds = self.generator.apply_prefill_state(
             sampling_params=BatchSamplingParams.from_requests(params), prompt_tokens=_rows(prompts),
-            empty_slots=slots, output_tokens=_rows(outputs) if any(outputs) else None)
+            empty_slots=slots, output_tokens=_rows(outputs) if any(outputs) else None, mirostat_mu=mus)
         for slot, rid, seed, p in zip(slots, req_ids, seeds, params):
             self.held[slot] = rid
             LOG.debug("admitted request %s to slot %d, seed %d (%s)", rid, slot, seed,

@@ -17,7 +17,8 @@ PENALTY_RANGE = (2.0 ** -149, 3.4028234663852886e38)  # the smallest subnormal, 
 # by their tokensampler names; any other key is left to other plugins
 EXTRA_ARGS_FIELDS = ("dynatemp_range", "dynatemp_exponent", "top_n_sigma", "typical_p", "epsilon_cutoff",
                      "eta_cutoff", "xtc_probability", "xtc_threshold", "dry_multiplier", "dry_base",
-                     "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+                     "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat_tau",
+                     "mirostat_eta")
 INT_FIELDS = ("dry_allowed_length", "dry_penalty_last_n")
 # DRY's breakers: strings in a request (tokenised by the API server: `admission.tokenize_breakers`),
 # token-id sequences when they reach the engine
