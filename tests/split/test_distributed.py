@@ -22,12 +22,13 @@ from tokensampler.parallel import SamplingDP, sampling_dp
 
 # ------------------------------------------------------------------ the merge math
 def test_every_filter_of_the_definition_has_a_split_merge():
-    """A filter added to the plan (`core.plan.FILTER_STAGES`) without its exact merge fails here."""
-    from tokensampler.backends.split.step import SPLIT_FILTERS, SPLIT_REFUSED
-    from tokensampler.core.plan import FILTER_STAGES
+    """A filter added to the plan (`core.plan.FILTER_STAGES`) without its exact merge fails here; the
+    full-row stages, which have none, run on the rows gathered whole (`backends/split/full_rows.py`)."""
+    from tokensampler.backends.split.step import SPLIT_FILTERS, SPLIT_WHOLE_ROWS
+    from tokensampler.core.plan import FILTER_STAGES, FULL_ROW_STAGES
 
-    assert tuple(SPLIT_FILTERS) == tuple(name for name in FILTER_STAGES if name not in SPLIT_REFUSED)
-    assert set(SPLIT_REFUSED) <= set(FILTER_STAGES)  # refused at admission (tests/test_full_row_filters.py)
+    assert tuple(SPLIT_FILTERS) == tuple(name for name in FILTER_STAGES if name not in SPLIT_WHOLE_ROWS)
+    assert SPLIT_WHOLE_ROWS == FULL_ROW_STAGES
 
 
 def test_bisection_rounds_reach_a_single_key():
@@ -98,6 +99,80 @@ def test_split_equals_unsplit_sampler_threads(world):
         (f"threads w{world} V{vocab}/{padded} {mode} seed {seed}", dc.make_case(seed, vocab, padded, mode))
         for vocab, padded in dc.CONFIGS[world] for m, mode in enumerate(dc.MODES)
         for seed in (100 * world + 10 * m + vocab, 7919 * world + m + vocab)])
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_full_row_samplers_equal_the_unsplit_sampler_threads(world):
+    """Every row turns on a full-row sampler (dynamic temperature, top-n-sigma, typical-p, epsilon, eta,
+    XTC, Mirostat; each alone, or all of them with every other field), four steps in every logprobs
+    mode, vocabularies padded in the last rank and across ranks: tokens, validity and log-probs
+    equal to the unsplit sampler's (step 0 also to the reference), Mirostat's mu to the bit on
+    every rank after every step."""
+    check_cases_on_threads(world, [
+        (f"full rows w{world} V{vocab}/{padded} {mode} seed {seed}",
+         dc.make_case(seed, vocab, padded, mode, steps=4, kinds=dc.FULL_ROW_KINDS))
+        for vocab, padded in dc.CONFIGS[world] for m, mode in enumerate(dc.MODES) for seed in (50 * world + m,)])
+
+
+def test_mirostat_mu_on_a_split_moves_as_unsplit_on_every_rank():
+    """Mirostat rows alone (with other full-row samplers and plain rows beside them) over eight steps
+    on 3 ranks: mu moves, and is the unsplit sampler's on every rank after every step."""
+    vocab, padded, world = 100, 102, 3
+    params = [SamplingParams(seed=1, mirostat_tau=2.0, mirostat_eta=0.5, logprobs=2),
+              SamplingParams(seed=2, mirostat_tau=1.0, mirostat_eta=1.0, top_k=40, typical_p=0.9),
+              SamplingParams(seed=3, top_p=0.9), SamplingParams(seed=4, mirostat_tau=3.0, temperature=0.0),
+              SamplingParams(seed=5, mirostat_tau=4.0, mirostat_eta=0.2, dynatemp_range=0.5)]
+    gen = torch.Generator().manual_seed(9)
+    steps = [torch.randn(len(params), padded, generator=gen) * 2 for _ in range(8)]
+
+    def drive(sampler, rank, width):
+        for b, p in enumerate(params):
+            sampler.add_request(b, p, [3, 4])
+        mus = []
+        for logits in steps:
+            sampler.sample(logits[:, rank * width:(rank + 1) * width])
+            mus.append(sampler.mus_of(range(len(params))))
+        return mus
+
+    want = drive(Sampler(vocab, max_slots=len(params), padded_vocab_size=padded), 0, padded)
+    assert want[-1][0] != 4.0 and want[-1][1] != 2.0 and want[-1][4] != 8.0  # mu moved
+    assert all(m[3] == 6.0 and m[2] is None for m in want)  # greedy: no update; no Mirostat: None
+    got = dc.run_threads(world, lambda ex: drive(Sampler(vocab, max_slots=len(params), padded_vocab_size=padded,
+                                                         group=ex), ex.rank, padded // world))
+    assert got == [want] * world
+
+
+def test_full_row_rows_move_their_slices_and_nothing_more():
+    """A full-row row added to a batch moves, beyond its share of the summaries and the log-probs
+    (float64 [1, 5 (+3)] and [1, 1 + 2 N]), one all-gather of its slice (float32 [1, Vp / W]), plus
+    one of float64 [1] in the raw modes (the raw value at the token); a batch of full-row rows
+    only runs none of the plain rows' top-k, top-p and winner collectives."""
+    vocab, padded, world = 203, 208, 2
+    width = padded // world
+    plain = [SamplingParams(seed=1, top_k=5, top_p=0.9, logprobs=2), SamplingParams(seed=2, temperature=0.0)]
+    full = [SamplingParams(seed=3, typical_p=0.7, top_p=0.9, logprobs=2), SamplingParams(seed=4, mirostat_tau=2.0)]
+    logits = torch.randn(3, padded, generator=torch.Generator().manual_seed(2))
+
+    def measure(params, mode):
+        def run(ex):
+            sampler = Sampler(vocab, max_slots=3, padded_vocab_size=padded, group=ex, logprobs_mode=mode)
+            for b, p in enumerate(params):
+                sampler.add_request(b, p, [0])
+            ex.reset_counters()
+            sampler.sample(logits[:len(params), ex.rank * width:(ex.rank + 1) * width])
+            return ex.calls, ex.bytes_sent, ex.bytes_received
+        return dc.run_threads(world, run)[0]
+
+    for mode in dc.MODES:
+        raw = mode.startswith("raw")
+        summary = 5 + 3 * (mode in ("raw_logprobs", "processed_logprobs"))
+        calls, sent, received = measure(plain, mode)
+        more_calls, more_sent, more_received = measure(plain + full[:1], mode)
+        assert more_calls - calls == 1 + raw, mode
+        assert more_sent - sent == 8 * summary + 8 * (1 + 2 * 2) + 4 * width + 8 * raw, mode
+        assert more_received - received == more_sent - sent  # world 2
+        # check, summaries, the rows, (raw values), log-probs: no top-k, top-p or winner all-gather
+        assert measure(full, mode)[0] == 4 + raw, mode
 
 
 @pytest.mark.parametrize("world", [2, 3])

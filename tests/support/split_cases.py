@@ -30,8 +30,10 @@ CONFIGS = {
     3: [(100, 192), (203, 204)],
     4: [(150, 256), (203, 204)],
 }
+# the full-row samplers (steps 7, 10.1-10.6), each alone, and all of them with every other field
+FULL_ROW_KINDS = ("dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc", "mirostat", "full_mixed")
 KINDS = ("greedy", "temperature", "top_k", "top_p", "min_p", "filters", "penalties", "bias", "allowed",
-         "min_tokens", "unseeded", "cold", "top_k_large", "bad_words")
+         "min_tokens", "unseeded", "cold", "top_k_large", "bad_words") + FULL_ROW_KINDS
 
 
 # ------------------------------------------------------------------ thread exchange
@@ -110,8 +112,41 @@ def random_params(r: random.Random, vocab: int, kind: str) -> SamplingParams:
         "cold": {"temperature": r.choice([1e-3, 0.05]), "top_p": 0.5},
         # one-token words always; longer ones on the output's last tokens (`make_case` adds those)
         "bad_words": {"bad_words_token_ids": [(ids[5],), (vocab - 1,)], "temperature": r.choice([0.0, 1.0])},
+        **full_row_fields(r, vocab, ids),
     }[kind]
     return SamplingParams(**{**base, **extra})
+
+
+def full_row_fields(r: random.Random, vocab: int, ids: list[int]) -> dict[str, dict[str, Any]]:
+    """The fields of each of `FULL_ROW_KINDS`: one full-row sampler alone (sometimes with min-p,
+    top-k or top-p before it), or every one of them with the other fields (penalties, DRY, bias,
+    allowed ids, min_tokens, bad words; sometimes greedy, which ignores them)."""
+    def before() -> dict[str, Any]:
+        return r.choice([{}, {}, {"top_k": r.choice([3, 30])}, {"top_p": r.choice([0.5, 0.9])}, {"min_p": 0.05}])
+
+    mirostat = {"mirostat_tau": r.choice([0.0, 0.5, 2.0, 5.0]), "mirostat_eta": r.choice([0.1, 1.0])}
+    return {
+        "dynatemp": {"dynatemp_range": r.choice([0.3, 1.0, 2.0]), "dynatemp_exponent": r.choice([0.0, 0.5, 1.0, 2.0]),
+                     "temperature": r.choice([0.2, 1.0, 1.5]), **before()},
+        "top_n_sigma": {"top_n_sigma": r.choice([0.0, 0.5, 1.0, 2.5]), **before()},
+        "typical_p": {"typical_p": r.choice([0.2, 0.6, 0.95]), **before()},
+        "epsilon": {"epsilon_cutoff": r.choice([0.001, 0.02, 0.2]), **before()},
+        "eta": {"eta_cutoff": r.choice([0.001, 0.02, 0.2]), **before()},
+        "xtc": {"xtc_probability": r.choice([0.5, 1.0]), "xtc_threshold": r.choice([0.01, 0.1, 0.3]), **before()},
+        "mirostat": {**mirostat, **before()},
+        "full_mixed": {
+            "temperature": r.choice([0.0, 0.7, 1.0, 1.3]), "dynatemp_range": r.choice([0.0, 0.5]),
+            "top_n_sigma": r.choice([None, 1.5]), "typical_p": r.choice([1.0, 0.8]),
+            "epsilon_cutoff": r.choice([0.0, 0.01]), "eta_cutoff": r.choice([0.0, 0.01]),
+            "xtc_probability": r.choice([0.0, 1.0]), "xtc_threshold": 0.05,
+            **r.choice([{}, mirostat]), "top_k": r.choice([0, 20]), "top_p": r.choice([1.0, 0.95]),
+            "min_p": r.choice([0.0, 0.02]), "repetition_penalty": r.choice([1.0, 1.3]),
+            "frequency_penalty": r.uniform(-1, 1), "presence_penalty": r.uniform(-1, 1),
+            "logit_bias": {ids[0]: 5.0, vocab - 1: r.uniform(-3, 3)},
+            "allowed_token_ids": r.choice([None, (ids[2], ids[3], ids[4], vocab - 1, *EOS)]),
+            "min_tokens": r.choice([0, 3]), "stop_token_ids": (ids[4],), "bad_words_token_ids": [(ids[5],)],
+            "dry_multiplier": r.choice([0.0, 1.5]), "dry_allowed_length": 1},
+    }
 
 
 def random_logits(r: random.Random, gen: torch.Generator, rows: int, vocab: int, padded: int) -> torch.Tensor:
@@ -142,13 +177,15 @@ def random_logits(r: random.Random, gen: torch.Generator, rows: int, vocab: int,
     return z
 
 
-def make_case(seed: int, vocab: int, padded: int, mode: str, steps: int = 3, rows: int = 7) -> Case:
+def make_case(seed: int, vocab: int, padded: int, mode: str, steps: int = 3, rows: int = 7,
+              kinds: tuple[str, ...] = KINDS) -> Case:
+    """A random case; row i's parameters are of kind `kinds[(i + seed) % len(kinds)]`."""
     r = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     slots = r.sample(range(MAX_SLOTS), rows)
     requests = []
     for i, slot in enumerate(slots):
-        kind = KINDS[(i + seed) % len(KINDS)]
+        kind = kinds[(i + seed) % len(kinds)]
         prompt = [r.randrange(vocab) for _ in range(r.randrange(0, 8))] + [vocab - 1]
         outputs = [r.randrange(vocab) for _ in range(r.randrange(0, 4))]
         params = random_params(r, vocab, kind)
@@ -162,7 +199,7 @@ def make_case(seed: int, vocab: int, padded: int, mode: str, steps: int = 3, row
     for _ in range(steps):
         step_slots = r.sample(slots, r.randrange(max(1, rows - 2), rows + 1))
         plan.append((step_slots, random_logits(r, gen, len(step_slots), vocab, padded).to(dtype)))
-    fresh = Request(slots[0], random_params(r, vocab, r.choice(KINDS)), [2, vocab - 1], [], 0)
+    fresh = Request(slots[0], random_params(r, vocab, r.choice(kinds)), [2, vocab - 1], [], 0)
     masks = [random_bitmask(r, len(step_slots), vocab) if r.random() < 0.5 else None for step_slots, _ in plan]
     return Case(vocab, padded, mode, requests, plan, replace_after={1: fresh}, masks=masks)
 
@@ -195,7 +232,8 @@ def _admit(sampler: Sampler, req: Request, seeds: dict[int, int] | None) -> int:
 
 def run_case(case: Case, group: Any = None, seeds: list[dict[int, int]] | None = None):
     """Run the case split over `group` (each rank passes its slice) or unsplit (group None, with
-    the seeds the split run reported). Returns (outputs per step, seeds per admission round)."""
+    the seeds the split run reported). Returns (outputs per step, seeds per admission round, Mirostat's
+    mu of every occupied slot after each step: {slot: mu or None})."""
     world = 1 if group is None else (group.world_size if isinstance(group, Exchange) else
                                      torch.distributed.get_world_size(group))
     rank = 0 if group is None else (group.rank if isinstance(group, Exchange) else
@@ -206,7 +244,7 @@ def run_case(case: Case, group: Any = None, seeds: list[dict[int, int]] | None =
     used: list[dict[int, int]] = [{}]
     for req in case.requests:
         used[0][req.slot] = _admit(sampler, req, None if seeds is None else seeds[0])
-    outputs = []
+    outputs, mus = [], []
     for t, (slots, logits) in enumerate(case.steps):
         if group is None:
             # Sampler.sample may use its logits as scratch during the call (penalised values are
@@ -215,11 +253,13 @@ def run_case(case: Case, group: Any = None, seeds: list[dict[int, int]] | None =
             logits = logits.clone()
         mask = case.masks[t] if case.masks else None  # every rank gets the whole mask
         outputs.append(sampler.sample(logits[:, rank * width:(rank + 1) * width], slots, token_bitmask=mask))
+        occupied = sorted({req.slot for req in case.requests})
+        mus.append(dict(zip(occupied, sampler.mus_of(occupied))))
         if t in case.replace_after:
             req = case.replace_after[t]
             sampler.remove_request(req.slot)
             used.append({req.slot: _admit(sampler, req, None if seeds is None else seeds[len(used)])})
-    return outputs, used
+    return outputs, used, mus
 
 
 def reference_tokens(case: Case, seeds: dict[int, int], step: int = 0) -> torch.Tensor:
@@ -268,11 +308,14 @@ def compare(label: str, got, want) -> list[str]:
 
 def check_case(case: Case, group: Any, label: str, with_reference: bool = False) -> list[str]:
     """Run `case` split over `group` and unsplit here; every difference, as text."""
-    split_out, seeds = run_case(case, group)
-    want, _ = run_case(case, None, seeds)
+    split_out, seeds, split_mus = run_case(case, group)
+    want, _, want_mus = run_case(case, None, seeds)
     bad = []
     for t, (got, expected) in enumerate(zip(split_out, want, strict=True)):
         bad += compare(f"{label} step {t}", got, expected)
+    for t, (got_mu, want_mu) in enumerate(zip(split_mus, want_mus, strict=True)):
+        if got_mu != want_mu:  # Mirostat's mu, to the bit (None where off)
+            bad.append(f"{label} step {t}: mu {got_mu} != unsplit {want_mu}")
     if with_reference:
         ref = reference_tokens(case, seeds[0])
         if not torch.equal(split_out[0].token_ids.cpu(), ref):

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Mapping
 from .checks import as_list, check_bool, check_int, check_real, check_token_ids, is_int, is_real
 from .constants import INT64_MIN, LOGIT_BIAS_LIMIT, UINT64_MAX
 from .dry import DRY_MAX_BREAKER_LENGTH, DRY_MAX_HISTORY
-from .errors import InvalidSamplingParams, UnsupportedOnSplit
+from .errors import InvalidSamplingParams
 
 
 def _token_tuple(name: str, ids: Iterable[Any] | None) -> tuple[int, ...] | None:
@@ -315,12 +315,9 @@ def _remake_params(values: dict[str, Any]) -> SamplingParams:
 
 
 def check_params_for_vocab(params: SamplingParams, vocab_size: int, max_logprobs: int, split: bool = False) -> None:
-    """The checks that need the sampler: token ids against the vocabulary, logprobs against the cap;
-    `split` (a vocabulary-split sampler): the full-row samplers are refused (`UnsupportedOnSplit`
-    naming the field), since no rank holds a row's whole vocabulary to sort (docs/semantics.md)."""
-    for name, value in params.full_row_fields if split else ():
-        raise UnsupportedOnSplit(name, value, "its default (off) on a vocabulary split: the full-row samplers "
-                                 "need each row's whole vocabulary on one rank")
+    """The checks that need the sampler: token ids against the vocabulary, logprobs against the cap.
+    `split` (a vocabulary-split sampler) adds no check: every field runs on a split (the full-row
+    samplers on the rows gathered whole, `backends/split/full_rows.py`)."""
     for name, token in params.token_ids_used():
         check_token_ids(name, (token,), vocab_size)
     if params.logprobs is not None and params.logprobs > max_logprobs:

@@ -33,6 +33,7 @@ from ...parallel.transport import Exchange
 from ...state import SamplerState
 from ..torch_step import stages
 from . import merge as sel
+from .full_rows import RowResults, full_row_split, sample_full_rows
 
 DEFAULT_TOP_P_PIVOTS = 255
 # top-p first bisects on each rank's 256 largest values (a top-k pass); the whole slice is sorted
@@ -136,12 +137,12 @@ def _top_p(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: tor
 
 
 # the split's exact merge of each filter of the definition (`core.plan.FILTER_STAGES`; a filter
-# added to the definition needs its merge here, or its place in SPLIT_REFUSED:
+# added to the definition needs its merge here, or its place in SPLIT_WHOLE_ROWS:
 # tests/split/test_distributed.py checks the names)
 SPLIT_FILTERS = {"min_p": _min_p, "top_k": _top_k, "top_p": _top_p}
-# the full-row stages have no merge: a split sampler refuses their fields at admission
-# (`core.params.check_params_for_vocab(split=True)` raises `UnsupportedOnSplit` naming the field)
-SPLIT_REFUSED = FULL_ROW_STAGES
+# the full-row stages have no merge: their rows are gathered whole and run the torch step's
+# full-row route on every rank (`full_rows.py`)
+SPLIT_WHOLE_ROWS = FULL_ROW_STAGES
 
 
 def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: torch.Tensor, plan: StepPlan,
@@ -149,7 +150,8 @@ def _filter(split: SplitStep, zs: torch.Tensor, row_max: torch.Tensor, slots: to
     """The plan's filters (min-p, top-k, top-p, in order, `SPLIT_FILTERS`) on the sampled rows `zs`
     [S, width], in place; `row_max` is their global max."""
     for name in plan.filters:
-        SPLIT_FILTERS[name](split, zs, row_max, slots, k_max)
+        if name in SPLIT_FILTERS:  # (the full-row stages' rows are not among these: `full_rows.py`)
+            SPLIT_FILTERS[name](split, zs, row_max, slots, k_max)
     return zs
 
 
@@ -198,8 +200,14 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
     if mode in ("raw_logprobs", "processed_logprobs"):
         lse = torch.stack(sel.merge_logsumexp(g1[..., 5:8]))  # processed: greedy rows; sampled rows below
 
-    if plan.sampled_rows:
-        rows = torch.tensor(plan.sampled_rows, dtype=torch.int64, device=split.device)
+    full_rows, plain_rows = full_row_split(plan.sampled_rows, row_params)
+    if plan.sampled_rows and mode is not None and mode.startswith("processed"):
+        final = z.clone()
+    if full_rows:  # steps 7, 10.1-10.6: the whole rows gathered, the torch step's full-row route (`full_rows.py`)
+        results = RowResults(tokens, valid, raw_at_token, final_at_token, final if final is not z else None, lse)
+        sample_full_rows(split, z, raw, index, full_rows, row_params, z_max_sat, raw_max, raw_token, results, mode)
+    if plain_rows:
+        rows = torch.tensor(plain_rows, dtype=torch.int64, device=split.device)
         slots = index[rows]
         temperature = st.temperature[slots]
         zs = z[rows] / temperature[:, None]
@@ -214,7 +222,7 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
             zs = saturate_posinf(zs, row_max == POS_INF)
         row_max = torch.where(row_max == POS_INF, torch.zeros_like(row_max), row_max)
         row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)  # bad rows
-        zs = _filter(split, zs, row_max, slots, plan, max(row_params[b].top_k for b in plan.sampled_rows))
+        zs = _filter(split, zs, row_max, slots, plan, max(row_params[b].top_k for b in plain_rows))
         # the Gumbel winner, noise keyed by the global id
         keys = rng.row_key(st.seed[slots], st.position[slots], st.stream[slots])
         score = _scores(zs, keys, split.global_ids)
@@ -231,8 +239,7 @@ def run_split_step(split: SplitStep, logits: torch.Tensor, index: torch.Tensor, 
         tokens[rows] = torch.where(ok, winner, tokens[rows])
         raw_at_token[rows] = torch.where(ok, sel.pick_rank(g2[..., 2], owner), raw_at_token[rows])
         final_at_token[rows] = torch.where(ok, sel.pick_rank(g2[..., 3], owner), final_at_token[rows])
-        if mode is not None and mode.startswith("processed"):
-            final = z.clone()
+        if final is not z:
             final[rows] = zs
         if mode == "processed_logprobs":
             lse[:, rows] = torch.stack(sel.merge_logsumexp(g2[..., 4:7]))
