@@ -5,7 +5,8 @@ Random and adversarial batches (ties, -inf, +inf, one kept id, all equal, huge v
 reference token for token (logprobs included, raw and processed), on both torch routes and the
 Triton step (which hands these rows to the torch step); the tie rules on hand-made rows; batch
 invariance and seeded reproducibility; XTC's coin (its own coordinate, its frequency); speculative
-verification (match mode, and rejection mode's target distribution); the split's refusal; the
+verification (match mode, and rejection mode's target distribution); a vocabulary split admits
+them and samples them as the unsplit sampler (tests/split/test_distributed.py for the random cases); the
 argument checks.
 """
 
@@ -20,7 +21,7 @@ import torch
 
 import tests.support.split_cases as dc
 from tests.support.backends import make_sampler
-from tokensampler import InvalidSamplingParams, Sampler, SamplingParams, UnsupportedOnSplit
+from tokensampler import InvalidSamplingParams, Sampler, SamplingParams
 from tokensampler.core import rng
 from tokensampler.core.plan import FULL_ROW_STAGES, plan_step
 from tokensampler.reference import ReferenceRequest, reference_sample, reference_step
@@ -344,23 +345,27 @@ def test_the_triton_step_hands_these_rows_to_the_torch_step(monkeypatch):
 @pytest.mark.parametrize("field,value", [("dynatemp_range", 0.5), ("top_n_sigma", 1.0), ("typical_p", 0.5),
                                          ("epsilon_cutoff", 0.1), ("eta_cutoff", 0.1), ("xtc_probability", 0.5),
                                          ("mirostat_tau", 3.0)])
-def test_a_split_refuses_them_at_admission(field, value):
-    """Every rank raises `UnsupportedOnSplit` naming the field (add_request, set_params); a greedy
-    row, which ignores these samplers, is admitted."""
-    def on_rank(exchange):
-        sampler = Sampler(16, max_slots=2, group=exchange)
-        raised = []
-        for call in (lambda: sampler.add_request(0, SamplingParams(**{field: value}), [1]),
-                     lambda: sampler.add_request(0, SamplingParams(temperature=0.0, **{field: value}), [1]),
-                     lambda: sampler.set_params(0, SamplingParams(**{field: value}))):
-            try:
-                call()
-                raised.append(None)
-            except UnsupportedOnSplit as error:
-                raised.append(error.field)
-        return raised
+def test_a_split_admits_them_and_samples_as_unsplit(field, value):
+    """Every rank admits the field (add_request, set_params; greedy rows too) and samples what the
+    unsplit sampler samples on the concatenated logits (tokens, log-probs, Mirostat's mu)."""
+    params = [SamplingParams(seed=4, logprobs=3, **{field: value}),
+              SamplingParams(seed=5, temperature=0.0, **{field: value})]
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(1)) * 2
+    later = SamplingParams(seed=6, top_k=5, **{field: value})
 
-    assert dc.run_threads(2, on_rank) == [[field, None, field]] * 2
+    def drive(sampler, part):
+        for slot, p in enumerate(params):
+            sampler.add_request(slot, p, [1])
+        first = sampler.sample(part)
+        sampler.set_params(1, later)
+        return first, sampler.sample(part), sampler.mus_of([0, 1])
+
+    want = drive(Sampler(16, max_slots=2, logprobs_mode="processed_logprobs"), logits)
+    for got in dc.run_threads(2, lambda ex: drive(Sampler(16, max_slots=2, group=ex,
+                                                          logprobs_mode="processed_logprobs"),
+                                                  logits[:, 8 * ex.rank:8 * ex.rank + 8])):
+        assert not dc.compare("first", got[0], want[0]) and not dc.compare("second", got[1], want[1])
+        assert got[2] == want[2]
 
 
 def test_match_mode_is_the_step_by_step_sample():

@@ -529,7 +529,12 @@ def test_split_match_mode_equals_unsplit_and_rejection_is_refused():
 
     rnd = random.Random(21)
     vocab, padded, batch, k, world = 61, 64, 4, 3, 2
-    params = [random_params(rnd, vocab, logprobs=False, mirostat=False) for _ in range(batch)]
+    params = [random_params(rnd, vocab, logprobs=False) for _ in range(batch)]
+    # the full-row samplers run on a split too (the rows gathered whole): one each on rows 0-2
+    params[0] = dataclasses.replace(params[0], temperature=1.0, typical_p=0.8, dynatemp_range=0.5)
+    params[1] = dataclasses.replace(params[1], temperature=0.7, mirostat_tau=1.5, mirostat_eta=0.5)
+    params[2] = dataclasses.replace(params[2], temperature=1.2, xtc_probability=1.0, xtc_threshold=0.05,
+                                    top_n_sigma=2.0, epsilon_cutoff=0.01)
     prompts = [[rnd.randrange(vocab) for _ in range(3)] for _ in range(batch)]
     logits = random_logits(rnd, batch, k + 1, vocab, padded)
     unsplit = make_sampler(vocab, padded, params, prompts, [[]] * batch, list(range(batch)), max_slots=batch)
@@ -549,11 +554,12 @@ def test_split_match_mode_equals_unsplit_and_rejection_is_refused():
             sampler.sample_speculative(part, drafts, mode="rejection")
         except UnsupportedOnSplit as error:
             refused = error
-        return out.token_ids, [sampler.position_of(b) for b in range(batch)], refused
+        return out.token_ids, [sampler.position_of(b) for b in range(batch)], refused, sampler.mus_of(range(batch))
 
-    for tokens, positions, refused in run_threads(world, rank):
+    for tokens, positions, refused, mus in run_threads(world, rank):
         assert torch.equal(tokens, want)
         assert positions == [unsplit.position_of(b) for b in range(batch)]
+        assert mus == unsplit.mus_of(range(batch)) and mus[1] != 3.0  # row 1's mu moved as unsplit
         assert refused is not None and refused.field == "mode" and isinstance(refused, InvalidSamplingParams)
 
 

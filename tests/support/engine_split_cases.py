@@ -61,6 +61,12 @@ def random_params(r: random.Random, vocab: int, edges: list[int]) -> SamplingPar
     if r.random() < 0.3:  # DRY's penalised ids fall on every rank
         kwargs.update(dry_multiplier=r.choice([0.5, 2.0]), dry_allowed_length=r.choice([1, 2]),
                       dry_sequence_breakers=r.choice([(), ((r.choice(edges),),)]))
+    if r.random() < 0.4:  # the full-row samplers (the split gathers these rows whole), Mirostat's mu carried
+        kwargs.update(r.choice([{"dynatemp_range": 0.5, "dynatemp_exponent": r.choice([0.5, 1.0])},
+                                {"top_n_sigma": r.choice([0.0, 1.0])}, {"typical_p": r.choice([0.5, 0.9])},
+                                {"epsilon_cutoff": 0.02, "eta_cutoff": r.choice([0.0, 0.05])},
+                                {"xtc_probability": r.choice([0.5, 1.0]), "xtc_threshold": 0.1},
+                                {"mirostat_tau": r.choice([0.5, 3.0]), "mirostat_eta": r.choice([0.1, 1.0])}]))
     return SamplingParams(**kwargs)
 
 
@@ -161,7 +167,7 @@ def run_schedule(engine: Engine, seed: int, actions: int) -> tuple[list[SamplerO
             slot = r.choice(engine.live_slots())
             request = engine.slots[slot]
             new = dataclasses.replace(random_params(r, vocab, world_edges), seed=request.params.seed)
-            engine.slots[slot] = dataclasses.replace(request, params=new)
+            engine.retune(slot, new)  # (Mirostat's mu restarts when the new params are sent)
             state["dirty"] = True
             note("retune")
         elif action == "decode":

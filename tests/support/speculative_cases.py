@@ -41,7 +41,7 @@ def random_params(rnd: random.Random, vocab: int, *, logprobs: bool = True, miro
         fields.update(dry_multiplier=rnd.choice([0.5, 2.0]), dry_base=rnd.choice([1.0, 1.75]),
                       dry_allowed_length=rnd.choice([1, 2]), dry_penalty_last_n=rnd.choice([-1, 6]),
                       dry_sequence_breakers=rnd.choice([(), ((rnd.randrange(vocab),),)]))
-    if rnd.random() < 0.3 and mirostat:  # Mirostat (not on a split): mu moves with every emitted token
+    if rnd.random() < 0.3 and mirostat:  # Mirostat: mu moves with every emitted token
         fields.update(mirostat_tau=rnd.choice([0.0, 1.0, 3.0]), mirostat_eta=rnd.choice([0.1, 1.0]))
     return SamplingParams(**fields)
 
