@@ -3,18 +3,25 @@
 With `Sampler(..., group=G)` every rank of G passes its own logits slice `[B, Vp / W]`; rank r
 owns the global ids `[r * Vp / W, (r + 1) * Vp / W)` and ids >= V (padding, possibly spanning
 several ranks) are removed. The step follows the order of the definition, with a small all-gather
-wherever a stage needs the whole row; it moves a few numbers per row, never the slice:
+wherever a stage needs the whole row; it moves a few numbers per row, never the slice (but for
+the rows of a full-row sampler, gathered whole):
 
     summaries   all-gather [B, 5 (+3)]: raw and processed row max and first id (+ sum-exp, #+inf)
     top-k       all-gather [S, min(k_max, Vp/W)]: each rank's top-k candidates (S sampled rows)
     top-p       `merge.bisection_rounds(P)` all-gathers [S, P (+1)]: float64 mass above P pivots
     winner      all-gather [S, 4 (+3)]: (z + g, global id, raw and processed value) of each rank's winner
+    whole rows  all-gather [F, Vp / W] float32 (+ [F] float64 in the raw modes): the F sampled rows
+                that turn a full-row sampler on, sampled whole on every rank (`full_rows.py`)
     logprobs    all-gather [B, 1 + 2 N]: count of ids ranked above the token, local top-N
 
+S counts the sampled rows without a full-row sampler; the top-k, top-p and winner all-gathers run
+only when S > 0, the whole rows only when F > 0: with F such rows each rank sends 4 F Vp / W bytes
+more (and receives 4 F Vp (W - 1) / W), a step without them moves nothing more.
 (The `Sampler`'s agreement on the call, before the step, is one more all-gather of int64 [4].)
 Every rank runs the same code on the same gathered numbers, so every rank returns the same
 tokens and log-probs, equal to the unsplit sampler on the concatenated logits; the math of each
-merge is in `merge.py`.
+merge is in `merge.py`, the full-row samplers (steps 7, 10.1-10.6: no merge, the rows gathered
+whole and run through the torch step's own full-row route) in `full_rows.py`.
 """
 
 from __future__ import annotations
