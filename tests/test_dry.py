@@ -61,15 +61,25 @@ def test_window_is_the_last_n_tokens_of_prompt_and_output():
 
 
 # ------------------------------------------------------------------ the penalty
-def test_penalty_is_multiplier_times_base_to_the_excess_in_float64_rounded_to_float32():
+def test_penalty_is_rounded_to_float32_then_subtracted_in_float32_as_llama_cpp_does():
     z = torch.zeros(6)
     out = apply_dry(z, dry(dry_multiplier=0.5, dry_base=2.0), [1, 2, 3, 1, 2, 3, 1, 2])
     assert out.tolist() == [0, 0, 0, -0.5 * 2.0 ** 3, 0, 0]  # L = 5, allowed 2
     z = torch.full((6,), 1.1)
     out = apply_dry(z, dry(dry_multiplier=0.3, dry_base=1.75), [1, 2, 3, 1, 2, 3, 1, 2])
     m, b = float(torch.tensor(0.3)), float(torch.tensor(1.75))
-    want = torch.tensor(float(torch.tensor(1.1)) - m * b ** 3, dtype=torch.float64).to(torch.float32)
+    penalty = torch.tensor(m * b ** 3, dtype=torch.float64).to(torch.float32)  # llama.cpp's `float penalty`
+    want = z[3] - penalty  # float32 arithmetic
+    once = torch.tensor(float(z[3]) - m * b ** 3, dtype=torch.float64).to(torch.float32)
+    assert want != once  # this case tells the two roundings apart
     assert out[3] == want and out.dtype == torch.float32 and bool((out[[0, 1, 2, 4, 5]] == z[0]).all())
+
+
+def test_a_one_token_breaker_is_never_penalised_a_longer_breakers_head_is():
+    history = [1, 2, 3, 1, 2, 3, 1, 2]  # 3 would extend a repeat of length 5
+    z = torch.zeros(6)
+    assert apply_dry(z, dry(dry_sequence_breakers=[(3,)]), history)[3] == 0  # 3 is a breaker on its own
+    assert apply_dry(z, dry(dry_sequence_breakers=[(3, 5)]), history)[3] < 0  # 3 is only a head
     assert apply_dry(z, dry(dry_multiplier=0.0), [1, 2, 3, 1, 2]) is z
 
 
@@ -120,3 +130,34 @@ def test_sampler_refuses_a_breaker_outside_the_vocabulary_before_any_state_chang
         sampler.add_request(0, SamplingParams(dry_multiplier=0.5, dry_sequence_breakers=[(10,)]), [1])
     assert "dry_sequence_breakers" in str(err.value)
     assert sampler.state.params[0] is None and sampler.state.dry_history is None
+
+
+# ------------------------------------------------------------------ against llama.cpp's rule
+def test_the_oracle_is_llama_cpps_dry_on_random_histories():
+    """reference.apply_dry equals `sampler_definitions.dry_penalised`, the transcription of llama.cpp's
+    DRY that tests/integrations/test_llama_cpp_samplers.py checks equal to llama.cpp's own sampler
+    (one-token breakers), value for value, on random repetitive histories and parameter sets."""
+    import random
+
+    import numpy as np
+
+    from tests.support import sampler_definitions as defs
+
+    r = random.Random(5)
+    penalised = 0
+    for case in range(300):
+        vocab = r.choice([8, 20, 64])
+        history = [r.randrange(vocab) for _ in range(r.randint(0, 60))]
+        if history and r.random() < 0.5:  # a repeated tail: long matches
+            history += history[-r.randint(1, len(history)):]
+        multiplier, base = r.choice([0.5, 0.8, 2.0]), r.choice([1.0, 1.1, 1.75, 3.0])
+        allowed, last_n = r.randint(1, 3), r.choice([1, 5, 16, 1000])
+        breakers = r.sample(range(vocab), r.randint(0, 2))
+        z = torch.randn(vocab, generator=torch.Generator().manual_seed(case)) * 3
+        params = dry(dry_multiplier=multiplier, dry_base=base, dry_allowed_length=allowed,
+                     dry_penalty_last_n=last_n, dry_sequence_breakers=[(b,) for b in breakers])
+        got = apply_dry(z, params, history).numpy()
+        want = defs.dry_penalised(z.numpy(), history, multiplier, base, allowed, last_n, set(breakers))
+        np.testing.assert_array_equal(got, want, err_msg=f"case {case}: {params}, history {history}")
+        penalised += int((got != z.numpy()).sum())
+    assert penalised > 100, penalised

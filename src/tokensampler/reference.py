@@ -18,7 +18,7 @@ import torch
 
 from .core import rng
 from .core.constants import LOGPROBS_MODES, NEG_INF
-from .core.dry import dry_max_exponent, dry_window
+from .core.dry import dry_penalty, dry_window, single_token_breakers
 from .core.order import saturate_posinf
 from .core.output import LogprobsOutput, SamplerOutput
 from .core.params import SamplingParams
@@ -104,22 +104,18 @@ def dry_repeat_lengths(params: SamplingParams, history: Sequence[int]) -> dict[i
 
 
 def apply_dry(z: torch.Tensor, params: SamplingParams, history: Sequence[int]) -> torch.Tensor:
-    """Step 5.1: z_t = float32(z_t - multiplier * base^min(L_t - allowed_length, cap)), the penalty
-    in float64 from the float32 parameters (llama.cpp's pow in double), the cap `dry_max_exponent`."""
+    """Step 5.1: z_t = z_t - float32(multiplier * base^min(L_t - allowed_length, cap)) in float32, the
+    penalty in double from the float32 parameters and rounded to float32 (llama.cpp's), the cap
+    `dry_max_exponent` (`core.dry.dry_penalty`); an id that is a one-token breaker keeps its value."""
     if not params.dry:
         return z
     z = z.clone()
-    multiplier = float(torch.tensor(params.dry_multiplier, dtype=torch.float32))
-    base = float(torch.tensor(params.dry_base, dtype=torch.float32))
-    cap = dry_max_exponent(params.dry_base)
+    singles = single_token_breakers(params.dry_sequence_breakers)
     for token, length in dry_repeat_lengths(params, history).items():
-        if token >= z.numel():
+        if token >= z.numel() or token in singles:  # a one-token breaker is never penalised
             continue
-        exponent = length - params.dry_allowed_length
-        if cap > 0 and exponent > cap:
-            exponent = cap
-        penalised = float(z[token]) - multiplier * base ** exponent
-        z[token] = torch.tensor(penalised, dtype=torch.float64).to(torch.float32)
+        penalty = dry_penalty(params.dry_multiplier, params.dry_base, params.dry_allowed_length, length)
+        z[token] = torch.tensor(float(z[token]) - penalty, dtype=torch.float64).to(torch.float32)
     return z
 
 

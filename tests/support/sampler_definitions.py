@@ -6,7 +6,8 @@ Every function takes one float32 logits row `z` (`-inf` = removed) at temperatur
 boolean keep mask or the edited row (one function per sampler). reference.py now defines
 top-n-sigma, typical-p, dynamic temperature and XTC (docs/semantics.md, steps 7 and 10.1-10.5): the
 tests compare llama.cpp with reference.py there and check these transcriptions equal to it; Mirostat
-v2 and DRY are compared with the transcriptions alone. The definitions are the issue's:
+v2 and DRY are compared with the transcriptions there, and reference.py with the transcriptions in
+CI (tests/test_mirostat.py, tests/test_dry.py). The definitions:
 
 - top-n-sigma: keep ids with `z >= max - n * sigma`, sigma the population std of the finite logits;
 - typical-p: order the ids by `|-log q_i - H|` (q the softmax, H its entropy), keep the smallest

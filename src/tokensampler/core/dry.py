@@ -3,6 +3,7 @@ exponent cap, computed once here for the oracle and every implementation."""
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Callable, Sequence
 
 import torch
@@ -20,6 +21,28 @@ def dry_max_exponent(base: float) -> int:
     if not bool(b > torch.tensor(1.000001, dtype=torch.float32)):
         return 0
     return int(torch.tensor(_FLOAT_MAX_LOG, dtype=torch.float32) / torch.log(b))
+
+
+def dry_penalty(multiplier: float, base: float, allowed_length: int, length: int) -> float:
+    """The penalty of a repeat of `length` tokens, as llama.cpp computes it: `m * b^e` with the
+    float32 `m` and `b` and `e = length - allowed_length` (capped by `dry_max_exponent`), in double
+    (`std::pow`), stored in a float32 (`const float penalty`): the float32 value, returned as a float.
+    The logit then loses it in float32 (`logit -= penalty`), which a float64 difference of the two
+    float32 values rounded once to float32 computes exactly."""
+    m = float(torch.tensor(multiplier, dtype=torch.float32))
+    b = float(torch.tensor(base, dtype=torch.float32))
+    cap = dry_max_exponent(base)
+    exponent = length - allowed_length
+    if cap > 0 and exponent > cap:
+        exponent = cap
+    return float(torch.tensor(m * b ** exponent, dtype=torch.float64).to(torch.float32))
+
+
+@lru_cache(maxsize=256)
+def single_token_breakers(breakers: tuple[tuple[int, ...], ...]) -> frozenset[int]:
+    """The ids that are a whole sequence breaker on their own: DRY never penalises them (llama.cpp
+    skips an id whose breakers include one with an empty tail)."""
+    return frozenset(b[0] for b in breakers if len(b) == 1)
 
 
 def dry_window(last_n: int, history_length: int) -> int:

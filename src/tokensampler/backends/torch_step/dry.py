@@ -12,9 +12,10 @@ step costs about (number of candidate distances) x (longest match) compares, and
 [n, n] table. Padding (shorter windows, positions past the window) holds distinct negative values,
 so it never matches a token or another padding position.
 
-The penalty `m * b^e` is computed on the host in float64 as `reference.apply_dry` does (Python's
-pow: the same function as the oracle's), and subtracted in float64 on the device: the values are
-the reference's bit for bit.
+The penalty `m * b^e` is computed on the host as `reference.apply_dry` computes it
+(`core.dry.dry_penalty`: in double, rounded to float32, as llama.cpp stores it), and subtracted on
+the device as a float64 difference rounded once to float32 (llama.cpp's float32 `logit -= penalty`):
+the values are the reference's bit for bit.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ...core.dry import dry_max_exponent, dry_window
+from ...core.dry import dry_penalty, dry_window, single_token_breakers
 from ...core.params import SamplingParams
 
 MAX_CHUNK = 256  # the most positions a match is extended by per round
@@ -169,20 +170,17 @@ def penalised_cells(z: torch.Tensor, rows: Sequence[int], params: Sequence[Sampl
     unique, inverse = torch.unique(key, return_inverse=True)
     longest = torch.zeros(unique.numel(), dtype=torch.int64, device=z.device).scatter_reduce_(
         0, inverse, length, reduce="amax", include_self=False)
-    member, token = unique // real_width, unique % real_width
-    penalties = [_penalty(params[r], L) for r, L in zip(member.tolist(), longest.tolist())]
+    singles = [single_token_breakers(p.dry_sequence_breakers) for p in params]
+    cells = [(r, t, L) for r, t, L in zip((unique // real_width).tolist(), (unique % real_width).tolist(),
+                                          longest.tolist()) if t + offset not in singles[r]]
+    if not cells:  # only one-token breakers would be penalised: they never are
+        return None
+    member = torch.as_tensor([r for r, _, _ in cells], dtype=torch.int64, device=z.device)
+    token = torch.as_tensor([t for _, t, _ in cells], dtype=torch.int64, device=z.device)
+    penalties = [dry_penalty(params[r].dry_multiplier, params[r].dry_base, params[r].dry_allowed_length, L)
+                 for r, _, L in cells]
     row_index = torch.as_tensor(list(rows), dtype=torch.int64, device=z.device)[member]
     before = z[row_index, token].to(torch.float64)
     values = before - torch.tensor(penalties, dtype=torch.float64, device=z.device)
     return row_index, token, values.to(torch.float32)
 
-
-def _penalty(p: SamplingParams, length: int) -> float:
-    """m * b^e for a repeat of `length` (reference.apply_dry's float64 arithmetic)."""
-    multiplier = float(torch.tensor(p.dry_multiplier, dtype=torch.float32))
-    base = float(torch.tensor(p.dry_base, dtype=torch.float32))
-    cap = dry_max_exponent(p.dry_base)
-    exponent = length - p.dry_allowed_length
-    if cap > 0 and exponent > cap:
-        exponent = cap
-    return multiplier * base ** exponent
