@@ -159,4 +159,4 @@ def test_a_mixed_case_gives_each_row_its_own_sampler_and_matches_the_reference()
     assert result["reference_rows_equal"] == result["rows"] == len(mix)
     names = [c.name for c in bench.workloads.SAMPLER_CASES]
     assert names[0] == "topp0.95" and names[-2:] == ["mixed_samplers_topp0.95", "dry0.8_topp0.95"]
-    assert len(names) == 9
+    assert len(names) == 10

@@ -60,6 +60,7 @@ FULL_ROW_SAMPLERS: dict[str, dict] = {
     "eta1e-3": {"eta_cutoff": 1e-3},
     "dynatemp0.5": {"dynatemp_range": 0.5},
     "xtc0.5_0.1": {"xtc_probability": 0.5, "xtc_threshold": 0.1},
+    "mirostat5": {"mirostat_tau": 5.0, "mirostat_eta": 0.1},
 }
 SAMPLER_CASES: tuple[BenchCase, ...] = (
     BenchCase("topp0.95", 32, 151936, TOPP95),
