@@ -161,3 +161,20 @@ def test_the_oracle_is_llama_cpps_dry_on_random_histories():
         np.testing.assert_array_equal(got, want, err_msg=f"case {case}: {params}, history {history}")
         penalised += int((got != z.numpy()).sum())
     assert penalised > 100, penalised
+
+
+def test_an_id_at_plus_inf_losing_an_infinite_penalty_is_removed_on_every_path():
+    """m * b^e overflows float32 (llama.cpp's `float penalty` is +inf): an id at +inf minus +inf is
+    NaN, which counts as removed; the Sampler gives the reference's token and validity."""
+    history = [1, 2, 3, 1, 2, 3, 1, 2]  # 3 would extend a repeat of length 5
+    z = torch.zeros(6)
+    z[3] = float("inf")
+    params = dry(dry_multiplier=3e38, dry_base=1.75, temperature=0.0)
+    out = apply_dry(z, params, history)
+    assert out[3] == float("-inf") and bool((out[[0, 1, 2, 4, 5]] == 0).all())
+    want = reference_sample(z[None], [ReferenceRequest(params, 0, 0, history)], vocab_size=6)
+    for backend in ("torch", "triton"):
+        sampler = Sampler(6, max_slots=1, backend=backend)
+        sampler.add_request(0, params, prompt_token_ids=history)
+        got = sampler.sample(z[None].clone(), [0])
+        assert got.token_ids.tolist() == want.token_ids.tolist() == [0] and bool(got.valid[0]) and bool(want.valid[0])

@@ -115,7 +115,8 @@ def apply_dry(z: torch.Tensor, params: SamplingParams, history: Sequence[int]) -
         if token >= z.numel() or token in singles:  # a one-token breaker is never penalised
             continue
         penalty = dry_penalty(params.dry_multiplier, params.dry_base, params.dry_allowed_length, length)
-        z[token] = torch.tensor(float(z[token]) - penalty, dtype=torch.float64).to(torch.float32)
+        value = torch.tensor(float(z[token]) - penalty, dtype=torch.float64).to(torch.float32)
+        z[token] = NEG_INF if math.isnan(value) else value  # +inf less an infinite penalty: removed
     return z
 
 

@@ -32,18 +32,28 @@ nothing when no sampled row turns a full-row sampler on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import Protocol, Sequence
 
 import torch
 
 from ...core.constants import NEG_INF
 from ...core.params import SamplingParams
 from ...core.plan import full_row_stages
+from ...parallel.transport import Exchange
+from ...state import SamplerState
 from ..torch_step import extra_filters
 from . import merge as sel
 
-if TYPE_CHECKING:
-    from .step import SplitStep
+
+class SplitSlice(Protocol):
+    """What this module reads of the split step (`step.SplitStep`): its exchange, state and slice."""
+
+    exchange: Exchange
+    state: SamplerState
+    vocab_size: int
+    width: int
+    real_width: int
+    offset: int
 
 
 def full_row_split(rows: Sequence[int], row_params: Sequence[SamplingParams]) -> tuple[list[int], list[int]]:
@@ -67,21 +77,21 @@ class RowResults:
     lse: torch.Tensor | None
 
 
-def whole_rows(split: SplitStep, part: torch.Tensor) -> torch.Tensor:
+def whole_rows(split: SplitSlice, part: torch.Tensor) -> torch.Tensor:
     """The whole rows [F, V] of this rank's slices `part` [F, width]: one all-gather, the ranks'
     columns side by side in rank order (global id order), the padding cut off."""
     gathered = split.exchange.all_gather(part)  # [W, F, width]
     return gathered.permute(1, 0, 2).reshape(part.shape[0], -1)[:, :split.vocab_size].contiguous()
 
 
-def local_columns(split: SplitStep, whole: torch.Tensor) -> torch.Tensor:
+def local_columns(split: SplitSlice, whole: torch.Tensor) -> torch.Tensor:
     """This rank's columns [F, width] of whole rows [F, V]; its padding columns at -inf."""
     part = torch.full((whole.shape[0], split.width), NEG_INF, dtype=whole.dtype, device=whole.device)
     part[:, :split.real_width] = whole[:, split.offset:split.offset + split.real_width]
     return part
 
 
-def sample_full_rows(split: SplitStep, z: torch.Tensor, raw: torch.Tensor, index: torch.Tensor, rows: list[int],
+def sample_full_rows(split: SplitSlice, z: torch.Tensor, raw: torch.Tensor, index: torch.Tensor, rows: list[int],
                      row_params: Sequence[SamplingParams], z_max: torch.Tensor, raw_max: torch.Tensor,
                      raw_token: torch.Tensor, out: RowResults, mode: str | None) -> None:
     """Steps 7-11 for the sampled batch rows `rows` (each turns a full-row sampler on) of this rank's

@@ -181,6 +181,6 @@ def penalised_cells(z: torch.Tensor, rows: Sequence[int], params: Sequence[Sampl
                  for r, _, L in cells]
     row_index = torch.as_tensor(list(rows), dtype=torch.int64, device=z.device)[member]
     before = z[row_index, token].to(torch.float64)
-    values = before - torch.tensor(penalties, dtype=torch.float64, device=z.device)
-    return row_index, token, values.to(torch.float32)
+    values = (before - torch.tensor(penalties, dtype=torch.float64, device=z.device)).to(torch.float32)
+    return row_index, token, values.masked_fill_(values.isnan(), float("-inf"))  # +inf - inf: removed
 
