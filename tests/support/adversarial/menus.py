@@ -300,7 +300,7 @@ FIELDS: dict[str, Menu] = {
 RARE = {"logit_bias": 0.2, "allowed_token_ids": 0.15, "stop": 0.2, "bad_words_token_ids": 0.12, "dry": 0.2}
 # the full-row samplers (steps 7, 10.1-10.6) run row by row in the library and in the oracle: each is on
 # in a few rows (mixed: FULL_ROW_RATE, edge: FULL_ROW_EDGE_RATE), at most about FULL_ROW_ROWS rows of a batch
-FULL_ROW_RATE, FULL_ROW_EDGE_RATE, FULL_ROW_ROWS = 0.025, 0.25, 3.0
+FULL_ROW_RATE, FULL_ROW_EDGE_RATE, FULL_ROW_ROWS = 0.025, 0.25, 8.0
 HISTORY_FIELDS = ("prompt_token_ids", "output_token_ids", "position", "stream")
 DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 # the SamplingParams keywords of the menus that draw several fields together
