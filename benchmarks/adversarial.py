@@ -5,8 +5,10 @@ dtype (fp32 / fp16 / bf16), logits salted with NaN, +-inf, +-3e38, denormals, -0
 extremes (and whole rows of them), and per-row parameters at and around their bounds: temperature 0,
 tiny and huge; top-k 0, 1, V, V+1, 2^62; top-p tiny and 1; min-p 0 and ~1; penalties at +-2 and
 extreme repetition; logit bias +-100 and beyond (clamped); allowed ids; min_tokens with stop and EOS
-ids; bad words; token bitmasks; seeds, positions and streams at the ends of their ranges; logprobs
-in every mode. A few values are deliberately invalid: the library must reject exactly those. Paths:
+ids; bad words; DRY; in a few rows the full-row samplers (dynamic temperature, top-n-sigma, typical-p,
+epsilon, eta, XTC) and Mirostat v2 (each row's mu checked to the bit after every step); token
+bitmasks; seeds, positions and streams at the ends of their ranges; logprobs in every mode. A few
+values are deliberately invalid: the library must reject exactly those. Paths:
 
     sample   `tokensampler.sample`: stateless, one call per case, the default backend
     torch    `Sampler(backend="torch")`: the torch step, several steps, a random TorchStepConfig

@@ -220,15 +220,15 @@ def make_case(seed: int, path: str, index: int, step_scale: int = 1) -> Case:
     bad_rate = min(0.01, 0.05 / batch) if path == "sample" else 0.01
     shared = r.random() < 0.15
     if shared:
-        one = row_spec(r, vocab, max_logprobs, path, flavour, bad_rate)
+        one = row_spec(r, vocab, max_logprobs, path, flavour, bad_rate, batch)
         rows = []
         for _ in range(batch):  # the same request with its own seed and history (an invalid one: all of it)
-            spec = row_spec(r, vocab, max_logprobs, path, flavour, 0.0)
+            spec = row_spec(r, vocab, max_logprobs, path, flavour, 0.0, batch)
             seed = spec.kwargs.get("seed", r.randrange(2**31))
             rows.append(dataclasses.replace(one, kwargs=dict(one.kwargs)) if one.bad else
                         dataclasses.replace(spec, kwargs={**one.kwargs, "seed": seed}, bad=()))
     else:
-        rows = [row_spec(r, vocab, max_logprobs, path, flavour, bad_rate) for _ in range(batch)]
+        rows = [row_spec(r, vocab, max_logprobs, path, flavour, bad_rate, batch) for _ in range(batch)]
     call_error = None
     if path == "sample":
         for spec in rows:  # histories are per-row arguments of `sample`: seeds always explicit

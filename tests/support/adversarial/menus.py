@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,6 +29,8 @@ class Ctx:
     max_logprobs: int
     path: str
     outputs: list[int]
+    batch: int = 1
+    kwargs: dict[str, Any] = field(default_factory=dict)  # the row's values drawn so far (temperature first)
 
 
 def _float32_usable(x: float) -> bool:
@@ -211,6 +214,66 @@ def dry_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
     return value, True
 
 
+# ------------------------------------------------------------------ the full-row samplers (steps 7, 10.1-10.6)
+def _one_bad(r: random.Random, value: tuple, wrong: list[list[Any]]) -> tuple[Any, bool]:
+    """`value` with one of its parts replaced by a value from that part's `wrong` list."""
+    index = r.randrange(len(wrong))
+    return (*value[:index], pick(r, wrong[index]), *value[index + 1:]), False
+
+
+def dynatemp_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    """(dynatemp_range, dynatemp_exponent): the range a float32 that is 0 or not 0 in float32, with
+    temperature + range at most float32's largest; the exponent a finite float >= 0 up to it."""
+    value = (pick(r, [0.5, 1.0, 2.0, r.uniform(0, 3), F32_MIN_DENORMAL, 1e-30, 1e10, 1e30, F32_MAX, 0.0]),
+             pick(r, [1.0, 1.0, 0.5, 2.0, 0.0, 5e-324, 1e-300, 100.0, F32_MAX, r.uniform(0, 4)]))
+    if bad:
+        return _one_bad(r, value, [[-1e-300, -1.0, POS_INF, NAN, 3.5e38, 5e-324, 1e-46, "1", None],
+                                   [-1e-300, -1.0, POS_INF, NAN, 3.5e38, "1", True]])
+    temperature = ctx.kwargs.get("temperature", 1.0)
+    base = temperature if isinstance(temperature, float) and math.isfinite(temperature) else 0.0
+    return value, value[0] == 0.0 or base + value[0] <= F32_MAX
+
+
+def top_n_sigma_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    if bad:
+        return pick(r, [-0.5, -2.0, -1e-300, NAN, POS_INF, NEG_INF, 3.5e38, "1", True]), False
+    return pick(r, [1.0, 1.0, 2.0, 0.5, r.uniform(0, 3), 0.0, -0.0, 5e-324, 1e-10, 1e30, F32_MAX, -1, -1.0]), True
+
+
+def typical_p_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    if bad:
+        return pick(r, [0.0, -0.0, -0.5, 1.0000000000000002, NAN, POS_INF, "0.5", None]), False
+    # 1/2, 1/3, 2/3: typical_p * total lands on a sum of the near-tie rows' equal p (`random_logits`)
+    return pick(r, [0.5, 0.9, 0.95, 0.2, 1 / 3, 2 / 3, 1 - 1e-16, 1e-3, 5e-324, 1.0, r.random() or 0.5]), True
+
+
+def cutoff_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    """epsilon_cutoff or eta_cutoff: [0, 1)."""
+    if bad:
+        return pick(r, [1.0, 1.0000000000000002, -1e-300, -0.5, NAN, POS_INF, "0.1", None]), False
+    return pick(r, [3e-4, 1e-3, 0.01, 0.1, 0.5, 0.9, 1 - 1e-16, 5e-324, 1e-30, 0.0, -0.0, r.random()]), True
+
+
+def xtc_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    """(xtc_probability, xtc_threshold), both in [0, 1]."""
+    value = (pick(r, [0.5, 1.0, 1.0, 1 - 1e-16, 5e-324, 0.0, r.random()]),
+             pick(r, [0.1, 0.1, 0.0, 0.5, 1.0, 5e-324, 1e-10, 0.3, 1 - 1e-16, r.random()]))
+    if bad:
+        wrong = [-1e-300, -0.5, 1.0000000000000002, 2.0, NAN, POS_INF, "0.5", None]
+        return _one_bad(r, value, [wrong, wrong])
+    return value, True
+
+
+def mirostat_menu(r: random.Random, ctx: Ctx, bad: bool) -> tuple[Any, bool]:
+    """(mirostat_tau, mirostat_eta): tau None or -1 (off) or a float in [0, 3.4e38], eta a float in it."""
+    value = (pick(r, [5.0, 5.0, 3.0, 1.0, 0.5, r.uniform(0, 10), 0.0, -0.0, 5e-324, 1e30, F32_MAX, -1, -1.0, None]),
+             pick(r, [0.1, 0.1, 1.0, 0.5, 0.0, 5e-324, 1e10, F32_MAX, r.random()]))
+    if bad:
+        return _one_bad(r, value, [[-0.5, -2.0, -1e-300, NAN, POS_INF, 3.5e38, "5", True],
+                                   [-1e-300, -0.1, NAN, POS_INF, 3.5e38, None, "0.1"]])
+    return value, True
+
+
 @dataclass
 class RowSpec:
     """One request of a case: SamplingParams keywords, history, noise coordinates, and which field
@@ -231,16 +294,33 @@ FIELDS: dict[str, Menu] = {
     "presence_penalty": penalty_menu, "frequency_penalty": penalty_menu, "repetition_penalty": repetition_menu,
     "seed": seed_menu, "logprobs": logprobs_menu, "logit_bias": logit_bias_menu,
     "allowed_token_ids": allowed_menu, "stop": stop_menu, "bad_words_token_ids": bad_words_menu,
-    "dry": dry_menu,
+    "dry": dry_menu, "dynatemp": dynatemp_menu, "top_n_sigma": top_n_sigma_menu, "typical_p": typical_p_menu,
+    "epsilon_cutoff": cutoff_menu, "eta_cutoff": cutoff_menu, "xtc": xtc_menu, "mirostat": mirostat_menu,
 }
 RARE = {"logit_bias": 0.2, "allowed_token_ids": 0.15, "stop": 0.2, "bad_words_token_ids": 0.12, "dry": 0.2}
+# the full-row samplers (steps 7, 10.1-10.6) run row by row in the library and in the oracle: each is on
+# in a few rows (mixed: FULL_ROW_RATE, edge: FULL_ROW_EDGE_RATE), at most about FULL_ROW_ROWS rows of a batch
+FULL_ROW_RATE, FULL_ROW_EDGE_RATE, FULL_ROW_ROWS = 0.025, 0.25, 8.0
 HISTORY_FIELDS = ("prompt_token_ids", "output_token_ids", "position", "stream")
 DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+# the SamplingParams keywords of the menus that draw several fields together
+GROUPS = {"stop": ("min_tokens", "stop_token_ids"), "dry": DRY_FIELDS,
+          "dynatemp": ("dynatemp_range", "dynatemp_exponent"), "xtc": ("xtc_probability", "xtc_threshold"),
+          "mirostat": ("mirostat_tau", "mirostat_eta")}
+FULL_ROW_MENUS = ("dynatemp", "top_n_sigma", "typical_p", "epsilon_cutoff", "eta_cutoff", "xtc", "mirostat")
 # the error fields a bad value may be named by
-FIELD_NAMES = {"stop": ("min_tokens", "stop_token_ids"), "dry": DRY_FIELDS}
+FIELD_NAMES = dict(GROUPS)
 
 
-def row_spec(r: random.Random, vocab: int, max_logprobs: int, path: str, flavour: str, bad_rate: float) -> RowSpec:
+def _rate(name: str, flavour: str, ctx: Ctx) -> float:
+    """The probability that a row draws field `name` (else it keeps its default)."""
+    if name in FULL_ROW_MENUS:
+        return min(FULL_ROW_EDGE_RATE if flavour == "edge" else FULL_ROW_RATE, FULL_ROW_ROWS / ctx.batch)
+    return 0.9 if flavour == "edge" else RARE.get(name, 1.0)
+
+
+def row_spec(r: random.Random, vocab: int, max_logprobs: int, path: str, flavour: str, bad_rate: float,
+             batch: int = 1) -> RowSpec:
     """One random request. Flavours: mixed (every field), plain (nothing to remove or add before the
     temperature: the direct route), greedy (temperature 0, nothing else), edge (every field off its
     default)."""
@@ -248,25 +328,22 @@ def row_spec(r: random.Random, vocab: int, max_logprobs: int, path: str, flavour
     outputs = [r.randrange(vocab) for _ in range(pick(r, [0, 0, 1, 2, 3, 6]))]
     if outputs and r.random() < 0.3:
         outputs += outputs[:2]  # repeated ids: counts above 1
-    ctx = Ctx(vocab, max_logprobs, path, outputs)
+    kwargs: dict[str, Any] = {"temperature": 0.0} if flavour == "greedy" else {}
+    ctx = Ctx(vocab, max_logprobs, path, outputs, batch, kwargs)
     fields = list(FIELDS) if flavour in ("mixed", "edge") else list(PLAIN_FIELDS) if flavour == "plain" \
         else ["seed", "logprobs"]
     bad_field = None
     if r.random() < bad_rate:
         bad_field = pick(r, fields + list(HISTORY_FIELDS))
-    kwargs: dict[str, Any] = {"temperature": 0.0} if flavour == "greedy" else {}
     bad: list[str] = []
     for name in fields:
-        rate = 0.9 if flavour == "edge" else RARE.get(name, 1.0)
-        if name != bad_field and r.random() >= rate:
+        if name != bad_field and r.random() >= _rate(name, flavour, ctx):
             continue
         value, ok = FIELDS[name](r, ctx, name == bad_field)
         if not ok:  # asked for, or a value just outside the contract (a float32 edge, logprobs above the cap)
             bad.append(name)
-        if name == "stop":
-            kwargs["min_tokens"], kwargs["stop_token_ids"] = value
-        elif name == "dry":
-            kwargs.update(zip(DRY_FIELDS, value))
+        if name in GROUPS:
+            kwargs.update(zip(GROUPS[name], value))
         else:
             kwargs[name] = value
     position = None if r.random() < 0.7 else pick(r, [0, POSITION_LIMIT - 1, POSITION_LIMIT - 2,

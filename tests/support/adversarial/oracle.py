@@ -20,7 +20,7 @@ from tokensampler.reference import (
     apply_dry,
     bad_word_ids,
     bitmask_allowed_ids,
-    reference_sample_row,
+    reference_step_row,
 )
 
 
@@ -32,6 +32,7 @@ class OracleRow:
     stream: int
     prompt: list[int]
     outputs: list[int]
+    mu: float | None = None  # Mirostat's mu before the row's next token (None: Mirostat off)
 
 
 def logprob_rows(scores: torch.Tensor, values: torch.Tensor, tokens: torch.Tensor, num: torch.Tensor,
@@ -71,17 +72,25 @@ class Oracle:
     than the rounding of any summation order), and rows where it could, or where NaN arises, are
     given to `reference_sample_row` itself. Rows where a kept p below the max equals min_p or a mass equals
     `top_p * total` exactly (where a strict and a loose comparison differ) are also run through
-    `reference_sample_row`, and the two must agree."""
+    `reference_sample_row`, and the two must agree. The rows that turn a full-row sampler on
+    (`SamplingParams.full_row_fields`: dynamic temperature, top-n-sigma, typical-p, epsilon, eta, XTC,
+    Mirostat v2) are given to `reference_step_row` whole; a Mirostat row's mu is the row's state here
+    (2 tau at admission, reference.py's update at each recorded token, reset by a re-admission)."""
 
     def __init__(self, vocab: int, mode: str, eos: Sequence[int]) -> None:
         self.vocab, self.mode, self.eos = vocab, mode, tuple(eos)
         self.rows: dict[int, OracleRow] = {}
+        # Mirostat rows of the last step: (token, mu after it) as reference.py gave them, for `record`
+        self.mu_after: dict[int, tuple[int, float]] = {}
         bits = max(0, math.ceil(math.log2(vocab)))
         self.exact_floor = 2.0 ** (bits - 30)
 
     def admit(self, i: int, params: SamplingParams, seed: int, position: int, stream: int, prompt: Sequence[int],
               outputs: Sequence[int]) -> None:
-        self.rows[i] = OracleRow(params, seed, position, stream, list(prompt), list(outputs))
+        """Row i's request (a re-admission replaces its state: history, position and Mirostat's mu = 2 tau)."""
+        mu = None if params.mirostat_tau is None else 2.0 * params.mirostat_tau
+        self.rows[i] = OracleRow(params, seed, position, stream, list(prompt), list(outputs), mu)
+        self.mu_after.pop(i, None)
 
     def freeze(self, n: int) -> None:
         """Per-row tensors of the admitted rows (indices 0..n-1; others neutral)."""
@@ -108,6 +117,7 @@ class Oracle:
         self.position = torch.tensor([row.position if row else 0 for row in rows], dtype=torch.int64)
         self.num_logprobs = torch.tensor([-1 if p.logprobs is None else v if p.logprobs == -1 else min(p.logprobs, v)
                                           for p in ps], dtype=torch.int64)
+        self.full_row = torch.tensor([bool(p.full_row_fields) for p in ps], dtype=torch.bool)
         self.min_tokens = torch.tensor([min(p.min_tokens, 2**62) for p in ps], dtype=torch.int64)
         self.out_len = torch.tensor([len(row.outputs) if row else 0 for row in rows], dtype=torch.int64)
 
@@ -144,7 +154,7 @@ class Oracle:
     def request(self, i: int) -> ReferenceRequest:
         row = self.rows[i]
         return ReferenceRequest(row.params, row.seed, int(self.position[i]), row.prompt, list(row.outputs),
-                                row.stream, self.eos)
+                                row.stream, self.eos, row.mu)
 
     def step(self, logits: torch.Tensor, idx: list[int], bitmask: torch.Tensor | None,
              check: set[int]) -> tuple[SamplerOutput, torch.Tensor, set[int], list[int]]:
@@ -172,7 +182,12 @@ class Oracle:
         if s.numel():
             self._sample_rows(z, kept, tokens, inexact, ix, s)
         out = SamplerOutput(tokens, valid, self._logprobs(raw, z, tokens, ix))
-        given = set((nan_rows | inexact).nonzero().squeeze(1).tolist())
+        # the rows of a full-row sampler (steps 7, 10.1-10.6; Mirostat's mu): reference.py's, row by row
+        full = self.full_row[ix]
+        for b in full.nonzero().squeeze(1).tolist():
+            self.border.pop(b, None)
+        self.mu_after = {}
+        given = set((nan_rows | inexact | full).nonzero().squeeze(1).tolist())
         edge = set(self.edge.nonzero().squeeze(1).tolist())
         disagree = []
         for b in sorted(given | check | edge):
@@ -322,10 +337,12 @@ class Oracle:
 
     def reference_row(self, logits_row: torch.Tensor, i: int, bitmask_row: torch.Tensor | None,
                       width: int | None) -> SamplerOutput:
-        """reference_sample_row for one row, as a one-row output with logprobs of width `width`
-        (None: the batch has no logprobs)."""
+        """reference_step_row for one row, as a one-row output with logprobs of width `width`
+        (None: the batch has no logprobs); a Mirostat row's mu after its token is kept for `record`."""
         allowed = None if bitmask_row is None else bitmask_allowed_ids(bitmask_row, self.vocab)[0]
-        token, valid, lp = reference_sample_row(logits_row, self.request(i), self.vocab, self.mode, allowed)
+        token, valid, lp, mu = reference_step_row(logits_row, self.request(i), self.vocab, self.mode, allowed)
+        if mu is not None:
+            self.mu_after[i] = (token, mu)
         tokens = torch.tensor([token])
         out_lp = None
         if width is not None:
@@ -334,7 +351,7 @@ class Oracle:
         return SamplerOutput(tokens, torch.tensor([valid]), out_lp)
 
     def record(self, idx: list[int], tokens: torch.Tensor, record: list[bool] | None) -> None:
-        """Step 13: count the tokens of the recorded rows, advance their positions."""
+        """Step 13: count the tokens of the recorded rows, advance their positions, update Mirostat's mu."""
         keep = range(len(idx)) if record is None else [b for b in range(len(idx)) if record[b]]
         rows = [idx[b] for b in keep]
         if not rows:
@@ -346,4 +363,9 @@ class Oracle:
         self.position[ix] += 1
         for i, t in zip(rows, tok.tolist()):
             self.rows[i].outputs.append(t)
+            if i in self.mu_after:
+                token, mu = self.mu_after[i]
+                if token != t:  # the rows of a full-row sampler keep reference.py's token (no top-p border)
+                    raise AssertionError(f"row {i}: Mirostat's mu is that of token {token}, {t} recorded")
+                self.rows[i].mu = mu
 

@@ -57,6 +57,10 @@ class Engine:
                     raise RanksDisagree(f"admission outcomes differ: {short(a)} vs {short(b)}")
         return per_rank[0]
 
+    def mus(self, slots: list[int]) -> list[list[float | None]]:
+        """Mirostat's mu of `slots`, per rank (`Sampler.mus_of`)."""
+        return on_every_rank(self.sampler, lambda sampler: sampler.mus_of(slots))
+
     def sample(self, logits: torch.Tensor, slots: list[int], record: list[bool] | None,
                bitmask: torch.Tensor | None) -> SamplerOutput:
         """One step (a split: every rank on its slice of the logits, and the ranks must agree)."""
@@ -159,6 +163,31 @@ class Runner:
             record = None if step.record is None else [step.record[b] for b in keep]
             if not self.sample_and_check(case, t, engine, oracle, idx, logits, bitmask, record, check_rng):
                 return
+            if not self.check_mu(case, t, engine, oracle, idx):
+                return
+
+    def check_mu(self, case: Case, t: int, engine: Engine, oracle: Oracle, idx: list[int]) -> bool:
+        """After a step: Mirostat's mu of its rows in the sampler (each rank's) equal to the oracle's,
+        to the bit (docs/semantics.md 10.6). False: a mismatch (counted and noted), the case stops."""
+        rows = [i for i in idx if oracle.rows[i].mu is not None]
+        if not rows:
+            return True
+        want = [oracle.rows[i].mu for i in rows]
+        try:
+            per_rank = engine.mus([case.slots[i] for i in rows])
+        except Exception as exc:  # noqa: BLE001 - counted
+            self.other(case, t, -1, exc, "mus_of")
+            return False
+        for rank, got in enumerate(per_rank):
+            wrong = [j for j, (g, w) in enumerate(zip(got, want)) if g != w]
+            if wrong:
+                self.tally.mismatches += 1
+                row = oracle.rows[rows[wrong[0]]]
+                self.note(case, t, idx.index(rows[wrong[0]]), "Mirostat mu differs",
+                          f"rank {rank}: sampler {got[wrong[0]]!r}, reference {want[wrong[0]]!r} for "
+                          f"{params_text(row.params)} seed {row.seed} outputs {short(row.outputs, 120)}")
+                return False
+        return True
 
     def admit(self, case: Case, engine: Engine, oracle: Oracle) -> list[bool]:
         """Admit every row (a rejected row is replaced by `fallback_spec`); which rows are in."""
