@@ -175,17 +175,25 @@ def check_record(record: torch.Tensor | None, batch: int) -> None:
                                     f"None or a bool tensor of shape ({batch},)")
 
 
-def check_advance(slots: Sequence[int], counts: Sequence[int], check_occupied: Callable[[int], None],
-                  positions: Callable[[list[int]], list[int]]) -> tuple[list[int], list[int]]:
-    """`Sampler.advance`'s (slots, counts): distinct occupied slots, counts >= 0, positions kept
-    below 2^32 (`positions`: the slots' current positions, one read)."""
-    slot_list, count_list = int_list("slots", slots), int_list("counts", counts)
-    if len(count_list) != len(slot_list):
-        raise InvalidSamplingParams("counts", f"{len(count_list)} counts", f"one per slot ({len(slot_list)})")
+def _distinct_occupied(slots: Sequence[int], values: Sequence, name: str,
+                       check_occupied: Callable[[int], None]) -> list[int]:
+    """`slots` as a list of distinct occupied slots, with one of `values` (the field `name`) per slot."""
+    slot_list = int_list("slots", slots)
+    if len(values) != len(slot_list):
+        raise InvalidSamplingParams(name, f"{len(values)} values", f"one per slot ({len(slot_list)})")
     for slot in slot_list:
         check_occupied(slot)
     if len(set(slot_list)) != len(slot_list):
         raise InvalidSamplingParams("slots", slot_list, "distinct slots")
+    return slot_list
+
+
+def check_advance(slots: Sequence[int], counts: Sequence[int], check_occupied: Callable[[int], None],
+                  positions: Callable[[list[int]], list[int]]) -> tuple[list[int], list[int]]:
+    """`Sampler.advance`'s (slots, counts): distinct occupied slots, counts >= 0, positions kept
+    below 2^32 (`positions`: the slots' current positions, one read)."""
+    count_list = int_list("counts", counts)
+    slot_list = _distinct_occupied(slots, count_list, "counts", check_occupied)
     for count in count_list:
         check_int("counts", count, 0, allowed="an int >= 0")
     for position, count in zip(positions(slot_list), count_list):
@@ -198,14 +206,8 @@ def check_mus(slots: Sequence[int], mus: Sequence[float | None], check_occupied:
               params: Sequence[SamplingParams | None]) -> tuple[list[int], list[float]]:
     """`Sampler.set_mu`'s (slots, mus) without the None entries: distinct occupied slots, each mu a
     finite float on a slot whose request has Mirostat on (`params`: the host record, by slot)."""
-    slot_list = int_list("slots", slots)
     mu_list = as_list("mus", mus, "a sequence of floats (or None), one per slot")
-    if len(mu_list) != len(slot_list):
-        raise InvalidSamplingParams("mus", f"{len(mu_list)} values", f"one per slot ({len(slot_list)})")
-    for slot in slot_list:
-        check_occupied(slot)
-    if len(set(slot_list)) != len(slot_list):
-        raise InvalidSamplingParams("slots", slot_list, "distinct slots")
+    slot_list = _distinct_occupied(slots, mu_list, "mus", check_occupied)
     out: tuple[list[int], list[float]] = ([], [])
     for slot, mu in zip(slot_list, mu_list):
         if mu is None:
