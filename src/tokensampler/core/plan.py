@@ -21,7 +21,7 @@ FILTER_STAGES = ("dynatemp", "min_p", "top_k", "top_p", "top_n_sigma", "typical_
                  "mirostat")
 # The filters whose kept set is not a threshold of z / T (or that change T per row): their rows take
 # the torch step's full-row route (`backends/torch_step/extra_filters.py`), docs/semantics.md 7, 10.1-10.6.
-# Mirostat (10.6) also keeps a state per slot (mu, `SamplerState.mirostat_mu`), updated at step 13.
+# Mirostat (10.6) also keeps a state per slot (mu, column MU of `SamplerState.mirostat`), updated at step 13.
 FULL_ROW_STAGES = ("dynatemp", "top_n_sigma", "typical_p", "epsilon", "eta", "xtc", "mirostat")
 
 
