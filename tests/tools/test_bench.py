@@ -160,3 +160,17 @@ def test_a_mixed_case_gives_each_row_its_own_sampler_and_matches_the_reference()
     names = [c.name for c in bench.workloads.SAMPLER_CASES]
     assert names[0] == "topp0.95" and names[-2:] == ["mixed_samplers_topp0.95", "dry0.8_topp0.95"]
     assert len(names) == 10
+
+
+def test_a_sampler_case_times_plain_top_p_in_the_same_rounds():
+    """Each sampler case (not plain top-p itself) carries a baseline arm, the plain top-p 0.95 step on
+    the same logits, and reports the median over rounds of the paired ratio."""
+    assert [c.baseline for c in bench.workloads.SAMPLER_CASES] == [None] + [bench.workloads.TOPP95] * 9
+    case = bench.BenchCase("small_dynatemp", 4, 3000, {**bench.workloads.TOPP95, "dynatemp_range": 0.5},
+                           baseline=bench.workloads.TOPP95)
+    (result,) = bench.run_bench(matrix=(case,), rounds=3, log=io.StringIO())
+    runs = result["runs_ms"]
+    assert set(runs) == {"floor", "sort_pipeline", "tokensampler", "baseline"} and len(runs["baseline"]) == 3
+    assert result["baseline_ratio"] == bench.paired_ratio(runs["tokensampler"], runs["baseline"])
+    assert bench.paired_ratio([2.0, 9.0, 3.0], [1.0, 3.0, 1.0]) == 3.0  # the median of 2, 3, 3
+    assert "ts / baseline (paired)" in bench.format_table([result])

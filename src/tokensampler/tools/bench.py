@@ -14,6 +14,7 @@ beside it, and each case reports its contended/quiet ratio (tokensampler's and t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -196,6 +197,10 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
         "sort_pipeline": lambda: sort_pipeline_step(logits, case, counts, prompt_mask, gen),
         "tokensampler": lambda: sampler.sample(logits, token_bitmask=bitmask),
     }
+    if case.baseline is not None:  # the step to compare with, on the same logits, in the same rounds
+        plain = build_sampler(dataclasses.replace(case, params=case.baseline, mix=()), device, prompts, outputs)
+        plain.warmup()
+        arms["baseline"] = lambda: plain.sample(logits)
     if bitmask is not None:  # the same step without the mask, in the same rounds: the mask's cost
         unmasked = build_sampler(case, device, prompts, outputs)
         arms["tokensampler_unmasked"] = lambda: unmasked.sample(logits)
@@ -221,9 +226,16 @@ def run_case(case: BenchCase, device: torch.device, rounds: int, check_rows: int
         "median_ms": medians, "runs_ms": times,
         "reference_rows_equal": equal, "rows": rows, "memory": memory, "warmup": warmup,
         **({"contention": contention} if contention is not None else {}),
+        **({"baseline": case.baseline, "baseline_ratio": paired_ratio(times["tokensampler"], times["baseline"])}
+           if case.baseline is not None else {}),
         **({"bitmask_allowed": case.bitmask_allowed,
             "mask_ratio": medians["tokensampler"] / medians["tokensampler_unmasked"]} if bitmask is not None else {}),
     }
+
+
+def paired_ratio(times: list[float], other: list[float]) -> float:
+    """The median over rounds of times[i] / other[i] (two arms timed one after the other each round)."""
+    return statistics.median(a / b for a, b in zip(times, other))
 
 
 def peer_ratio(ratio: float) -> str:
@@ -239,6 +251,8 @@ def format_table(results: list[dict]) -> str:
     header = "| case | tokensampler ms | sort pipeline ms | floor ms | ts / floor | sort / ts |"
     header += "".join(f" {PEERS[name]} ms | {PEERS[name]} / ts |" for name in peers)
     header += " mask / unmasked |" if masked else ""
+    baseline = any("baseline_ratio" in r for r in results)
+    header += " baseline ms | ts / baseline (paired) |" if baseline else ""
     header += " peak extra / fp32 logits |" if memory else ""
     header += (" ts loaded ms | ts loaded / quiet | sort loaded ms | sort loaded / quiet | sort / ts loaded |"
                if loaded else "")
@@ -252,6 +266,8 @@ def format_table(results: list[dict]) -> str:
             line += (f" {m[name]:.2f} | {peer_ratio(m[name] / m['tokensampler'])} |" if name in m else " - | - |")
         if masked:
             line += f" {r['mask_ratio']:.2f}x |" if "mask_ratio" in r else " - |"
+        if baseline:
+            line += f" {m['baseline']:.2f} | {r['baseline_ratio']:.2f}x |" if "baseline_ratio" in r else " - | - |"
         if memory:
             line += f" {r['memory']['ratio']:.2f} |" if r.get("memory") else " - |"
         if loaded:

@@ -25,6 +25,7 @@ class BenchCase:
     bitmask_allowed: int = 0  # > 0: every step gets a token bitmask allowing this many ids per row
     mix: tuple[dict, ...] = ()  # non-empty: row r gets mix[r % len(mix)] instead of `params`
     repeating: int = 0  # > 0: each row's prompt is this many tokens of repeated phrases (DRY's matches)
+    baseline: dict | None = None  # the parameters of a step timed in the same rounds, to compare with
 
     def row_params(self, row: int) -> dict:
         return self.mix[row % len(self.mix)] if self.mix else self.params
@@ -64,14 +65,15 @@ FULL_ROW_SAMPLERS: dict[str, dict] = {
 }
 SAMPLER_CASES: tuple[BenchCase, ...] = (
     BenchCase("topp0.95", 32, 151936, TOPP95),
-    *(BenchCase(f"{name}_topp0.95", 32, 151936, {**TOPP95, **extra}) for name, extra in FULL_ROW_SAMPLERS.items()),
+    *(BenchCase(f"{name}_topp0.95", 32, 151936, {**TOPP95, **extra}, baseline=TOPP95)
+      for name, extra in FULL_ROW_SAMPLERS.items()),
     # rows cycling through every sampler above and plain top-p
     BenchCase("mixed_samplers_topp0.95", 32, 151936, TOPP95,
-              mix=tuple({**TOPP95, **extra} for extra in (*FULL_ROW_SAMPLERS.values(), {}))),
+              mix=tuple({**TOPP95, **extra} for extra in (*FULL_ROW_SAMPLERS.values(), {})), baseline=TOPP95),
     # DRY on a 4,096-token history of repeated phrases, llama.cpp's suggested settings, 3 breaker ids
     BenchCase("dry0.8_topp0.95", 32, 151936,
               {**TOPP95, "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2,
-               "dry_sequence_breakers": ((198,), (25,), (1,))}, repeating=4096),
+               "dry_sequence_breakers": ((198,), (25,), (1,))}, repeating=4096, baseline=TOPP95),
 )
 
 

@@ -326,7 +326,7 @@ class TorchStep:
         if routes.plan_route(cols.filters()) is Thresholds.FULL_ROW:  # steps 7, 10.1-10.5 (z written)
             self.routes_taken[Thresholds.FULL_ROW, Values.IN_PLACE] += 1
             return extra_filters.draw_rows(z, z_max, slots, block_params, sampled, self.state, self.config,
-                                           self.compiled)[0]
+                                           self.compiled, final=processed)[0]
         zs, zs_max = (z, z_max) if everyone else (z[sampled], z_max[sampled])
         divided = None
         if routes.reads_divided(masked, processed):
