@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -50,6 +51,8 @@ def test_run_bench_checks_reference_and_writes_json(tmp_path):
         assert all(len(v) == 2 for v in r["runs_ms"].values())
     payload = json.loads(path.read_text())
     assert payload["machine"]["torch"] == torch.__version__ and len(payload["results"]) == 3
+    assert payload["machine"]["omp"] == {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
+                                         "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT")}
     assert "[3/3] small_greedy_lp" in log.getvalue()
     table = bench.format_table(results)
     assert table.count("\n") == 4 and "| small_pen |" in table
