@@ -40,6 +40,7 @@ from ...core.constants import NEG_INF, POS_INF
 from ...core.order import saturate_posinf
 from . import dense, gumbel, row_stats, select
 from .config import DEFAULT, TorchStepConfig
+from .indexing import column_chunks
 from .routes import Draw, Filters, Handoff, RowFacts, Thresholds, Values, after_overflow, choose_thresholds
 from .top_p import list_top_p, on_rows, rows_of
 
@@ -250,43 +251,65 @@ def _list_thresholds(z: torch.Tensor, facts: RowFacts, cols: RowColumns, listed:
     smallest = torch.where(values == NEG_INF, POS_INF, values).amin(dim=-1)  # listed values are finite
     need_exact = (cols.top_p < 1.0) | exact_threshold  # top-p's total mass needs the exact tau below it
     tau = torch.full_like(z_max, NEG_INF)
+    below = []  # (rows whose threshold lies at or below the list's smallest value, the full-row pass)
     if cols.any_min_p:
-        tau = torch.maximum(tau, _min_p_on_list(z, values, smallest, z_max, scale, cols.min_p, need_exact))
+        tau_min_p, beyond = _min_p_on_list(values, smallest, z_max, cols.min_p, need_exact)
+        tau = torch.maximum(tau, tau_min_p)
+        below.append((beyond, lambda rows: _min_p_full_row(z, rows, scale, z_max[rows], cols.min_p[rows],
+                                                           cols.config.column_chunk)))
     if cols.any_top_k:
-        tau = torch.maximum(tau, _top_k_on_list(z, values, count, scale, cols.top_k, need_exact))
+        tau_top_k, beyond = _top_k_on_list(values, count, cols.top_k, need_exact)
+        tau = torch.maximum(tau, tau_top_k)
+        below.append((beyond, lambda rows: on_rows(lambda zr, kr: select.top_k_threshold(zr, kr)[0],
+                                                   z, rows, scale, cols.top_k[rows])))
+    for beyond, full_row in below:
+        # such a threshold is <= the smallest listed value: it matters only where no other filter's
+        # exact threshold already reaches that value
+        beyond = beyond & (tau < smallest)
+        if bool(beyond.any()):
+            rows = beyond.nonzero().squeeze(-1)
+            tau = tau.index_put((rows,), torch.maximum(tau[rows], full_row(rows)))
     if not cols.any_top_p:
         return tau, None
     return list_top_p(z, z_max, values, tau, lower, list_floor, tail, cols.top_p, exact_threshold=exact_threshold,
                       scale=scale, config=cols.config, compiled=cols.compiled)
 
 
-def _min_p_on_list(z: torch.Tensor, values: torch.Tensor, smallest: torch.Tensor, z_max: torch.Tensor,
-                   scale: torch.Tensor | None, min_p: torch.Tensor, need_exact: torch.Tensor) -> torch.Tensor:
-    """float32 [R]: min-p's threshold (-inf where off), from the list unless it may lie below it."""
+def _min_p_on_list(values: torch.Tensor, smallest: torch.Tensor, z_max: torch.Tensor, min_p: torch.Tensor,
+                   need_exact: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tau, beyond): min-p's threshold from the list (-inf where off), and the rows `need_exact`
+    where it may lie below the list (the smallest listed id passes): there tau is -inf, the caller's
+    full-row pass gives it where it matters."""
     p = torch.exp(values - z_max[:, None])
     tau_list = torch.where(p >= min_p[:, None], values, POS_INF).amin(dim=-1)
-    # if the smallest listed id passes, the threshold may lie below the list
     beyond = (min_p > 0) & (tau_list <= smallest) & need_exact
-    if bool(beyond.any()):
-        rows = beyond.nonzero().squeeze(-1)
-        tau_list = tau_list.index_put((rows,), on_rows(select.min_p_threshold, z, rows, scale, z_max[rows],
-                                                        min_p[rows]))
-    return tau_list.masked_fill_(min_p <= 0, NEG_INF)
+    return tau_list.masked_fill_((min_p <= 0) | beyond, NEG_INF), beyond
 
 
-def _top_k_on_list(z: torch.Tensor, values: torch.Tensor, count: torch.Tensor, scale: torch.Tensor | None,
-                   k: torch.Tensor, need_exact: torch.Tensor) -> torch.Tensor:
-    """float32 [R]: top-k's threshold (-inf where off), from the list where it holds k ids."""
+def _min_p_full_row(z: torch.Tensor, rows: torch.Tensor, scale: torch.Tensor | None, z_max: torch.Tensor,
+                    min_p: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`select.min_p_threshold` of the rows `rows` of z / scale, column chunk by column chunk: its
+    three float32 temporaries hold at most `chunk` elements and an eighth of the rows each (a few
+    rows, B = 1 above all, would otherwise make them a large part of a logits buffer)."""
+    zr = rows_of(z, rows)
+    tau = torch.full_like(z_max, POS_INF)
+    for start, stop in column_chunks(zr, min(chunk, max(1024, zr.numel() // 8))):
+        part = zr[:, start:stop] if scale is None else zr[:, start:stop] / scale[rows][:, None]
+        tau = torch.minimum(tau, select.min_p_threshold(part, z_max, min_p))
+    return tau
+
+
+def _top_k_on_list(values: torch.Tensor, count: torch.Tensor, k: torch.Tensor, need_exact: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tau, beyond): top-k's threshold from the list where it holds k ids (-inf where off or
+    beyond), and the rows `need_exact` whose k-th largest lies below the list (the caller's
+    full-row pass gives it where it matters)."""
     inside = k <= count
     largest = torch.topk(values, int(k.clamp(max=values.shape[-1]).max()), dim=-1).values
     tau_list = largest.gather(-1, (k - 1).clamp(min=0, max=largest.shape[-1] - 1)[:, None]).squeeze(-1)
     tau_list = torch.where(inside, tau_list, NEG_INF)
     beyond = (k > 0) & ~inside & need_exact
-    if bool(beyond.any()):
-        rows = beyond.nonzero().squeeze(-1)
-        tau_list = tau_list.index_put((rows,), on_rows(lambda zr, kr: select.top_k_threshold(zr, kr)[0],
-                                                        z, rows, scale, k[rows]))
-    return tau_list.masked_fill_(k <= 0, NEG_INF)
+    return tau_list.masked_fill_(k <= 0, NEG_INF), beyond
 
 
 def _draw_listed(listed: Listed, tau: torch.Tensor, keys: torch.Tensor) -> Draw:

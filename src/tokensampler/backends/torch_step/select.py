@@ -100,6 +100,11 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
     mask = z >= lower[:, None]
     hits = nonzero_ids(mask.view(-1), int(count.sum()))  # flat, row-major: a row's hits are consecutive
     del mask
+    if z.shape[0] == 1 and hits.numel():  # one row: its hits are the list, no placement to compute
+        picked = z[0, hits]
+        if scale is not None:
+            picked.div_(scale[0])
+        return picked[None], hits[None], count
     rows = torch.div(hits, z.shape[1], rounding_mode="floor")
     cols = hits.sub_(rows * z.shape[1])
     width = max(width, 1)
