@@ -613,6 +613,19 @@ def two_position_trial(target: SamplingParams, bitmask: torch.Tensor | None = No
     return out, second, sampler
 
 
+def assert_two_positions(out, p0: torch.Tensor, p1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A `two_position_trial`'s first tokens follow p0, the first draft is accepted with p0's
+    probability of it, and the second tokens of the rows that accepted it follow p1. Returns
+    (first tokens, second tokens)."""
+    first = out.token_ids[:, 0]
+    assert chi_square_pvalue(first, p0) > 1e-4
+    accepted = out.num_emitted >= 2  # the first draft accepted: the history holds it at position 1
+    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
+    second = out.token_ids[accepted, 1]
+    assert chi_square_pvalue(second, p1) > 1e-4
+    return first, second
+
+
 # bad words: id 2 always (one token); id 0 once the output ends with FIRST_DRAFT (two tokens), so
 # the target at the second position depends on the draft accepted at the first
 BAD_WORDS = SamplingParams(temperature=1.0, bad_words_token_ids=[[2], [FIRST_DRAFT, 0]])
@@ -624,13 +637,8 @@ def test_rejection_mode_emits_the_bad_word_filtered_target():
     p0 = target_probs_of(BAD_WORDS, P_LOGITS, position)
     p1 = target_probs_of(BAD_WORDS, P_LOGITS, position + 1, outputs=[FIRST_DRAFT])
     assert float(p0[2]) == 0.0 and float(p1[0]) == 0.0 and float(p1[2]) == 0.0
-    first = out.token_ids[:, 0]
-    assert chi_square_pvalue(first, p0) > 1e-4
-    accepted = out.num_emitted >= 2  # the first draft accepted: the history holds it at position 1
-    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
-    second = out.token_ids[accepted, 1]
+    first, second = assert_two_positions(out, p0, p1)
     assert second.numel() > 1000
-    assert chi_square_pvalue(second, p1) > 1e-4
     # controls: the same statistics reject the target without its bad words, or without the history
     assert chi_square_pvalue(first, target_probs_of(SamplingParams(temperature=1.0), P_LOGITS, position)) < 1e-8
     assert chi_square_pvalue(second, target_probs_of(BAD_WORDS, P_LOGITS, position + 1)) < 1e-8
@@ -659,12 +667,7 @@ def test_rejection_mode_emits_the_mirostat_target_of_each_position_and_moves_mu(
     mu1 = mirostat_mu_after(final0, final0 > NEG_INF, FIRST_DRAFT, request)
     p1, _ = mirostat_target(mu1, position + 1)
     assert float(p0[4]) == 0.0 and float(p1[4]) > 0.0  # mu moved, and the target with it
-    first = out.token_ids[:, 0]
-    assert chi_square_pvalue(first, p0) > 1e-4
-    accepted = out.num_emitted >= 2
-    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
-    second = out.token_ids[accepted, 1]
-    assert chi_square_pvalue(second, p1) > 1e-4
+    first, second = assert_two_positions(out, p0, p1)
     assert chi_square_pvalue(second, p0) < 1e-8  # control: position 1 at the admitted mu
     # each slot's mu: the oracle's along the tokens the slot emitted (accepted, residual or bonus)
     sampler_mus = sampler.mus_of(range(out.token_ids.shape[0]))
@@ -694,12 +697,7 @@ def test_rejection_mode_emits_the_bitmask_filtered_target():
     p0 = target_probs_of(MASKED, P_LOGITS, position, allowed=MASK_SETS[0])
     p1 = target_probs_of(MASKED, P_LOGITS, position + 1, [FIRST_DRAFT], allowed=MASK_SETS[1])
     p2 = target_probs_of(MASKED, P_LOGITS, position + 2, allowed=MASK_SETS[2])  # the history does not matter
-    first = out.token_ids[:, 0]
-    assert chi_square_pvalue(first, p0) > 1e-4
-    accepted = out.num_emitted >= 2
-    assert binomial_close(accepted, float(p0[FIRST_DRAFT]))
-    second = out.token_ids[accepted, 1]
-    assert chi_square_pvalue(second, p1) > 1e-4
+    first, second = assert_two_positions(out, p0, p1)
     bonus = out.token_ids[out.num_emitted == 3, 2]
     assert bonus.numel() > 300 and set(bonus.tolist()) <= MASK_SETS[2]
     assert chi_square_pvalue(bonus, p2) > 1e-4

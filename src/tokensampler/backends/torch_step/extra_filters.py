@@ -81,9 +81,15 @@ def dynamic_temperature(row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if n == 1:
         return torch.tensor(p.temperature, dtype=torch.float32, device=row.device)
     _, _, entropy = _weights(row[ids].to(torch.float64))
+    return _temperature_of(entropy, n, p).to(torch.float32)
+
+
+def _temperature_of(entropy: torch.Tensor | float, n: int, p: SamplingParams) -> torch.Tensor | float:
+    """T_min + (T_max - T_min) (H / log n)^exponent in float64, H a float64 0-d tensor or a float
+    (the same operations in the same order either way)."""
     t_min = max(0.0, p.temperature - p.dynatemp_range)
     t_max = p.temperature + p.dynatemp_range
-    return (t_min + (t_max - t_min) * (entropy / math.log(n)) ** p.dynatemp_exponent).to(torch.float32)
+    return t_min + (t_max - t_min) * (entropy / math.log(n)) ** p.dynatemp_exponent
 
 
 _ROUNDING = 2.0 ** -53  # float64's unit roundoff
@@ -139,12 +145,9 @@ def bracketed_temperature(entropy: float, n: int, p: SamplingParams) -> float | 
     if n <= 1 or not math.isfinite(entropy):
         return None if n > 1 else float(torch.tensor(p.temperature, dtype=torch.float32))
     error = entropy_error(entropy, n)
-    t_min = max(0.0, p.temperature - p.dynatemp_range)
-    t_max = p.temperature + p.dynatemp_range
     margin = 2.0 ** -40  # the float64 evaluation's own few roundings, on either end
     try:  # a power or a T past float32's range: left to the canonical sum (which gives inf)
-        ends = [t_min + (t_max - t_min) * (max(h, 0.0) / math.log(n)) ** p.dynatemp_exponent
-                for h in (entropy - error, entropy + error)]
+        ends = [_temperature_of(max(h, 0.0), n, p) for h in (entropy - error, entropy + error)]
         low, high = (_float32(min(ends) * (1 - margin)), _float32(max(ends) * (1 + margin)))
     except OverflowError:
         return None
