@@ -288,7 +288,7 @@ def _sampler_calls() -> dict:
     return {
         "add_request": dict(slot=2, params=SamplingParams(seed=9, top_k=3), prompt_token_ids=[1, 2],
                             output_token_ids=(), position=None, stream=0),
-        "set_params": dict(slot=0, params=SamplingParams(seed=1, temperature=0.5)),
+        "set_params": dict(slots=[0, 3], params=[SamplingParams(seed=1, temperature=0.5), SamplingParams(top_k=2)]),
         "set_noise": dict(slots=[0, 3], seeds=[5, 6], positions=[10, 11], streams=[0, 1]),
         "reset_history": dict(slots=[0], prompt_token_ids=torch.tensor([[1, 2, -1]]), output_token_ids=None),
         "remove_request": dict(slot=1),

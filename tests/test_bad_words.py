@@ -139,7 +139,7 @@ def test_bad_words_follow_the_recorded_output_not_the_prompt(backend):
     assert step([[C, D]], slots=(1,)) == [D]
     sampler.reset_history([1], None, None)  # no output at all: nothing matches
     assert step([[C, D]], slots=(1,)) == [C]
-    sampler.set_params(2, dataclasses.replace(params, seed=3))  # slot 2 ended [.., A, B, D]: keeps it
+    sampler.set_params([2], [dataclasses.replace(params, seed=3)])  # slot 2 ended [.., A, B, D]: keeps it
     assert step([[C, E], [B_]], slots=(2, 1)) == [C, B_]
 
 

@@ -359,7 +359,7 @@ def test_a_split_admits_them_and_samples_as_unsplit(field, value):
         for slot, p in enumerate(params):
             sampler.add_request(slot, p, [1])
         first = sampler.sample(part)
-        sampler.set_params(1, later)
+        sampler.set_params([1], [later])
         return first, sampler.sample(part), sampler.mus_of([0, 1])
 
     want = drive(Sampler(16, max_slots=2, logprobs_mode="processed_logprobs"), logits)

@@ -179,16 +179,16 @@ def test_mu_is_admitted_moved_reset_and_set():
     s.set_mu([2], [None])  # None keeps it
     assert s.mu_of(2) == 4.0
     s.set_mu([2], [0.5])
-    s.set_params(2, SamplingParams(seed=3, mirostat_tau=1.5))
+    s.set_params([2], [SamplingParams(seed=3, mirostat_tau=1.5)])
     assert s.mu_of(2) == 3.0
-    s.set_params(2, SamplingParams(seed=3))
+    s.set_params([2], [SamplingParams(seed=3)])
     assert s.mu_of(2) is None
     for slots, mus, field in (([1], [1.0], "mus"), ([2], [1.0], "mus"), ([3], [1.0], "slot"),
                               ([0, 0], [None, None], "slots"), ([0], [1.0, 2.0], "mus")):
         with pytest.raises(InvalidSamplingParams) as info:
             s.set_mu(slots, mus)
         assert info.value.field == field, (slots, mus)
-    s.set_params(2, p)
+    s.set_params([2], [p])
     for bad in (math.inf, math.nan, "1"):
         with pytest.raises(InvalidSamplingParams, match="mu"):
             s.set_mu([2], [bad])

@@ -653,7 +653,7 @@ def test_sampler_record_mask_set_params_set_noise_reset_history():
         sampler.sample(logits, record=torch.tensor([True, False]))
     # set_params keeps the seed, position and history; the token is a fresh sampler's with them
     new = SP(temperature=0.5, top_k=4, frequency_penalty=1.0, seed=0)
-    sampler.set_params(0, new)
+    sampler.set_params([0], [new])
     fresh = Sampler(V, max_slots=1)
     fresh.add_request(0, new, [0], output_token_ids=[int(out.token_ids[0])], position=6)
     assert int(sampler.sample(logits[:1], [0]).token_ids[0]) == int(fresh.sample(logits[:1]).token_ids[0])

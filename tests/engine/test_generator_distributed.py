@@ -76,7 +76,7 @@ def test_split_slot_state_methods_equal_unsplit_and_keep_each_rank_slice():
         outs = [sampler.sample(part(0), record=torch.tensor([True, False, True]))]
         outs.append(sampler.sample(part(1)))
         for slot, params in enumerate(later):
-            sampler.set_params(slot, params)
+            sampler.set_params([slot], [params])
         sampler.set_noise([2, 0], [2**64 - 5, 11], [7, 3], [1, 0])
         sampler.reset_history([0, 1], torch.tensor([[15, 16, -1], [29, 0, 29]]),
                               torch.tensor([[16, 16, 15, -1], [-1, 29, -1, -1]]))
@@ -159,10 +159,10 @@ def _split_generator_errors(ex):
             sampling_params=params, prompt_tokens=prompts + 3 * int(last), empty_slots=[1, 3]),
          InvalidSamplingParams, "prompt_tokens" if last else other),
         ("release differs", lambda: split.release_slots([2] if last else [0]), SplitMismatch, "release_slots"),
-        ("set_params differ", lambda: sampler.set_params(0, SamplingParams(top_k=3 if last else 4)),
+        ("set_params differ", lambda: sampler.set_params([0], [SamplingParams(top_k=3 if last else 4)]),
          SplitMismatch, "params"),
-        ("set_params invalid on one rank", lambda: sampler.set_params(0, SamplingParams(
-            logit_bias={vocab if last else 3: 1.0})), InvalidSamplingParams, "logit_bias" if last else other),
+        ("set_params invalid on one rank", lambda: sampler.set_params([0], [SamplingParams(
+            logit_bias={vocab if last else 3: 1.0})]), InvalidSamplingParams, "logit_bias" if last else other),
         ("set_noise differ", lambda: sampler.set_noise([0], [1], [5 if last else 6], [0]), SplitMismatch,
          "seeds/positions/streams"),
         ("reset_history differ", lambda: sampler.reset_history([0], torch.tensor([[3 if last else 4]]), None),

@@ -144,7 +144,7 @@ def test_cell_edits_write_the_same_values_and_restore_the_callers_logits(case):
     sampler, slots, params, logits, _, _, _, vocab = random_case(100 + case)
     params = [dataclasses.replace(p, allowed_token_ids=None, logit_bias=None, min_tokens=0) for p in params]
     for b, slot in enumerate(slots):
-        sampler.set_params(slot, params[b])
+        sampler.set_params([slot], [params[b]])
     names = plan_step(params, vocab).edits()
     assert set(names) <= set(stages.CELL_EDITS)
     logits = logits.nan_to_num(nan=0.0)[:, :vocab].contiguous()  # the direct route's rows: no NaN

@@ -161,11 +161,7 @@ class SamplingParams:
             check_real("repetition_penalty", self.repetition_penalty, 0.0, math.inf, low_open=True, allowed=bound))
         if not _float32_usable(self.repetition_penalty):
             raise InvalidSamplingParams("repetition_penalty", self.repetition_penalty, bound)
-        seed = self.seed
-        if seed is not None:
-            if not is_int(seed) or not INT64_MIN <= seed <= UINT64_MAX:
-                raise InvalidSamplingParams("seed", seed, f"None, or an int in [{INT64_MIN}, {UINT64_MAX}]")
-            put(self, "seed", None if seed == -1 else int(seed))
+        put(self, "seed", _checked_seed(self.seed))
         if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < -1):
             raise InvalidSamplingParams("logprobs", self.logprobs,
                                         "None, -1 (whole vocabulary) or an int >= 0")
@@ -198,6 +194,15 @@ class SamplingParams:
         check_bool("ignore_eos", self.ignore_eos)
         _check_full_row_fields(self)
         _check_dry_fields(self)
+
+    def with_seed(self, seed: int | None) -> "SamplingParams":
+        """These parameters with another `seed` (None or -1: drawn at admission), which alone is
+        checked: every other field already was. An engine admitting many requests that differ only
+        in their seeds validates their common fields once (`engine.batch_params`)."""
+        out = object.__new__(SamplingParams)
+        out.__dict__.update(self.__dict__)
+        object.__setattr__(out, "seed", _checked_seed(seed))
+        return out
 
     def __reduce__(self) -> tuple:
         """Pickled (and deep-copied) as its fields, remade by the constructor: `logit_bias` is a
@@ -247,6 +252,15 @@ class SamplingParams:
     def dry(self) -> bool:
         """Whether DRY (step 5.1) is on: a multiplier > 0 and a window (dry_penalty_last_n != 0)."""
         return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
+
+def _checked_seed(seed: Any) -> int | None:
+    """`seed` as stored: None (-1 too) or an int in the signed or unsigned 64-bit range."""
+    if seed is None:
+        return None
+    if not is_int(seed) or not INT64_MIN <= seed <= UINT64_MAX:
+        raise InvalidSamplingParams("seed", seed, f"None, or an int in [{INT64_MIN}, {UINT64_MAX}]")
+    return None if seed == -1 else int(seed)
 
 
 def _check_full_row_fields(params: SamplingParams) -> None:

@@ -12,6 +12,8 @@ scatter and slice these columns; `to_requests` turns lanes back into validated `
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, Collection, Sequence
@@ -215,14 +217,90 @@ def format_requests(params: Any, max_batch_size: int, *, vocab_size: int | None 
     another kind, such as a set of stop ids, reads back as one value for every lane: then the
     columns are read back, as `to_requests` does)."""
     rows, requests = _format_rows(params, max_batch_size, vocab_size)
-    formatted = _columns(rows)
-    if len(formatted.per_lane_fields()) == len(FIELDS):
-        return requests
-    return formatted.to_requests()
+    if all(_is_per_lane(name, [row[name] for row in rows]) for name in _CONTAINER_FIELDS):
+        return requests  # every other field's list is one entry per lane
+    return _columns(rows).to_requests()
 
 
 def _columns(rows: list[dict[str, Any]]) -> BatchSamplingParams:
     return BatchSamplingParams(**{name: [row[name] for row in rows] for name in FIELDS})
+
+
+# Lanes that differ only in their seed format and validate alike: a burst of admissions (the
+# same few parameter sets, a seed each) formats and validates each set once. The key holds every
+# value but the seed with its exact type (1, 1.0 and True are three keys), containers as tuples
+# of exact ints or strings; a lane the key cannot represent exactly is formatted by itself.
+_SEED = FIELDS.index("seed")
+_CONTAINER_FIELDS = SEQUENCE_FIELDS + NESTED_FIELDS + MAPPING_FIELDS
+_CONTAINERS = tuple(FIELDS.index(name) for name in _CONTAINER_FIELDS)
+_LANE_CACHE: dict[tuple, tuple[dict[str, Any], SamplingParams]] = {}
+_LANE_CACHE_SIZE = 4096
+
+
+def _exact(values: Any, kinds: tuple[type, ...]) -> tuple | None:
+    """`values` (a list or tuple) as a tuple when every entry's type is exactly one of `kinds`."""
+    if type(values) not in (list, tuple) or not all(type(v) in kinds for v in values):
+        return None
+    return tuple(values)
+
+
+def _container_key(name: str, value: Any) -> Any:
+    """The key of one container field's value; `_NO_KEY` when it has none (an unusual kind)."""
+    if value is None or (name == "stop" and type(value) is str):
+        return value
+    if name in NESTED_FIELDS:
+        words = _exact(value, (list, tuple))
+        if words is None:
+            return _NO_KEY
+        exact = tuple(_exact(word, (int,)) for word in words)
+        return _NO_KEY if None in exact else ("nested", exact)
+    if name in MAPPING_FIELDS:
+        if not isinstance(value, Mapping):
+            return _NO_KEY
+        items = tuple((key, type(bias), bias) for key, bias in value.items())
+        exact = all(type(key) is int and type(bias) in (int, float) for key, _, bias in items)
+        return ("mapping", items) if exact else _NO_KEY
+    exact = _exact(value, (str,) if name == "stop" else (int,))
+    return _NO_KEY if exact is None else ("sequence", exact)
+
+
+_NO_KEY = object()
+
+
+def _lane_key(raw: tuple, vocab_size: int | None) -> tuple | None:
+    """The cache key of a lane's raw values (`FIELDS` order), None when it has none."""
+    parts = list(raw)
+    parts[_SEED] = None
+    for index, name in zip(_CONTAINERS, _CONTAINER_FIELDS):
+        value = parts[index]
+        if value is None or (type(value) is tuple and not value):
+            continue  # the common lane: nothing to represent
+        parts[index] = _container_key(name, value)
+        if parts[index] is _NO_KEY:
+            return None
+    return vocab_size, tuple(parts), tuple(map(type, parts))
+
+
+def _format_and_validate(raw: tuple, vocab_size: int | None) -> tuple[dict[str, Any], SamplingParams]:
+    """One lane's formatted row and validated `SamplingParams`, cached by `_lane_key`."""
+    key = _lane_key(raw, vocab_size)
+    cached = None if key is None else _LANE_CACHE.get(key)
+    if cached is None:
+        row = _format_lane(dict(zip(FIELDS, raw)), vocab_size)
+        request = _make_params(row)  # validate now, naming the field
+        if key is not None:
+            if len(_LANE_CACHE) >= _LANE_CACHE_SIZE:
+                _LANE_CACHE.clear()
+            _LANE_CACHE[key] = (row, request)
+        return row, request
+    row, request = cached
+    seed = _format_value("seed", raw[_SEED], vocab_size)
+    if seed is not request.seed:
+        request = request.with_seed(seed)  # the seed checked alone: the rest is the cached lane's
+    row = {**row, "seed": seed}
+    if row["logit_bias"] is not None:
+        row["logit_bias"] = dict(row["logit_bias"])  # each lane's own (the caller may edit it)
+    return row, request
 
 
 def _format_rows(params: Any, max_batch_size: int, vocab_size: int | None
@@ -235,15 +313,24 @@ def _format_rows(params: Any, max_batch_size: int, vocab_size: int | None
     lanes = max_batch_size if lanes is None else lanes
     if lanes > max_batch_size:
         raise InvalidSamplingParams("params", f"{lanes} lanes", f"at most max_batch_size={max_batch_size} lanes")
-    rows, requests, per_lane = [], [], set(batch.per_lane_fields())
-    for b in range(max_batch_size):
-        if b < lanes:
-            row = _format_lane(batch.lane(b, per_lane), vocab_size)
-        else:
-            row = dict(PADDING_LANE)
-        requests.append(_make_params(row))  # validate now, naming the field
+    per_lane = set(batch.per_lane_fields())
+    columns = [getattr(batch, name) if name in per_lane else itertools.repeat(getattr(batch, name))
+               for name in FIELDS]
+    rows, requests = [], []
+    for raw in itertools.islice(zip(*columns), lanes):
+        row, request = _format_and_validate(raw, vocab_size)
         rows.append(row)
+        requests.append(request)
+    padding = _padding_params()
+    for _ in range(max_batch_size - lanes):
+        rows.append(dict(PADDING_LANE))
+        requests.append(padding)
     return rows, requests
+
+
+@functools.cache
+def _padding_params() -> SamplingParams:
+    return _make_params(PADDING_LANE)
 
 
 def broadcast_sampling_params(params: Any, idx: int, slot_len: int) -> BatchSamplingParams:

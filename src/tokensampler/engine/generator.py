@@ -187,10 +187,10 @@ class SamplingGenerator:
             return []
         # every check is done (on every rank): change state
         seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams, positions=lengths)
-        for slot, request in zip(slots, requests):
+        for slot in slots:
             self._occupied[slot] = True
             self._stale[slot] = self._prompt_stale[slot] = False
-            self._write_device_params(slot, request)
+        self._write_device_params(slots, requests)
         self.sampler.reset_history(slots, prompts.to(self.device), None if outputs is None else outputs.to(self.device))
         self.sampler.set_mu(slots, mus)
         return seeds
@@ -201,7 +201,7 @@ class SamplingGenerator:
         self.seed_manager.release_slots(slot_list)
         for slot in slot_list:
             self._occupied[slot] = False
-            self._write_device_params(slot, NEUTRAL_PARAMS)
+        self._write_device_params(slot_list, [NEUTRAL_PARAMS] * len(slot_list))
 
     # ------------------------------------------------------------ decode
     def apply_decode_state(self, chunks: Sequence[Any] | BatchSamplingParams, *, reload_sampling_params: bool,
@@ -267,8 +267,7 @@ class SamplingGenerator:
         if remap is not None:
             self._apply_remap(remap, sampling_mode)
         if reload_sampling_params:
-            for slot in range(n):
-                self._write_device_params(slot, given.get(slot))
+            self._write_device_params(range(n), [given.get(slot) for slot in range(n)])
         if reset_sampling_state:
             by_slot: list[int | None] = [None] * n
             for slot, request in given.items():
@@ -410,15 +409,20 @@ class SamplingGenerator:
         return self.tracer.captures
 
     # ------------------------------------------------------------ helpers
-    def _write_device_params(self, slot: int, params: SamplingParams | None) -> None:
-        """Make the sampler's row of `slot` hold `params` (None: keep the occupied slot's; an empty
-        slot always holds the neutral row), rewriting the device columns only if they change."""
-        target = NEUTRAL_PARAMS if not self._occupied[slot] else params or self.sampler.params_of(slot)
-        if self.sampler.params_of(slot) != target:
-            self.sampler.set_params(slot, target)
-            sampled = not target.greedy
-            self._num_sampled += sampled - self._sampled[slot]
-            self._sampled[slot] = sampled
+    def _write_device_params(self, slots: Sequence[int], params: Sequence[SamplingParams | None]) -> None:
+        """Make the sampler's row of `slots[i]` hold `params[i]` (None: keep the occupied slot's; an
+        empty slot always holds the neutral row), rewriting the device columns of the rows that
+        change, all at once."""
+        changed, targets = [], []
+        for slot, given in zip(slots, params):
+            target = NEUTRAL_PARAMS if not self._occupied[slot] else given or self.sampler.params_of(slot)
+            if self.sampler.params_of(slot) != target:
+                changed.append(slot)
+                targets.append(target)
+                sampled = not target.greedy
+                self._num_sampled += sampled - self._sampled[slot]
+                self._sampled[slot] = sampled
+        self.sampler.set_params(changed, targets)
 
     def _requests(self, batch: BatchSamplingParams, lanes: int) -> list[SamplingParams]:
         """`lanes` validated requests (`format_requests`: each lane built once), checked for the vocabulary."""

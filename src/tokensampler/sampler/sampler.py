@@ -31,7 +31,9 @@ from ..core import rng
 from ..core.checks import (
     check_device,
     check_int,
+    as_list,
     check_logits,
+    check_slots,
     int_list,
 )
 from ..core.errors import InvalidSamplingParams, SplitMismatch
@@ -130,21 +132,31 @@ class Sampler:
                          drawn=params.seed is None)
         return seed
 
-    def set_params(self, slot: int, params: SamplingParams) -> None:
-        """Replace the parameters of an occupied `slot`, keeping its seed, position and history;
-        Mirostat's mu starts again at 2 tau. Bad words and DRY read the latest tokens the state keeps
-        for them, as deep as the longest bad word (less one) and the widest DRY window admitted so
-        far: longer ones read only the tokens kept (a token not kept is no match) until
-        `reset_history` (or a new `add_request` with the outputs) rebuilds them."""
-        def check() -> SamplingParams:
-            self._check_occupied(slot)
-            if not isinstance(params, SamplingParams):
-                raise InvalidSamplingParams("params", params, "a SamplingParams")
-            check_params_for_vocab(params, self.vocab_size, self.max_logprobs, self.layout.split)
-            return params
+    def set_params(self, slots: Sequence[int], params: Sequence[SamplingParams]) -> None:
+        """Replace the parameters of occupied `slots[i]` with `params[i]`, all at once (one check on
+        every rank, one write per column), keeping their seeds, positions and histories; Mirostat's
+        mu starts again at 2 tau. Bad words and DRY read the latest tokens the state keeps for them,
+        as deep as the longest bad word (less one) and the widest DRY window admitted so far: longer
+        ones read only the tokens kept (a token not kept is no match) until `reset_history` (or a
+        new `add_request` with the outputs) rebuilds them."""
+        def check() -> tuple[list[int], list[SamplingParams]]:
+            slot_list = check_slots("slots", slots, self.max_slots)
+            for slot in slot_list:
+                self._check_occupied(slot)
+            param_list = as_list("params", params, "one SamplingParams per slot")
+            if len(param_list) != len(slot_list):
+                raise InvalidSamplingParams("params", f"{len(param_list)} params", f"one per slot ({len(slot_list)})")
+            checked: set[int] = set()  # ids of params objects already checked (a burst shares a few)
+            for p in param_list:
+                if not isinstance(p, SamplingParams):
+                    raise InvalidSamplingParams("params", p, "a SamplingParams")
+                if id(p) not in checked:
+                    check_params_for_vocab(p, self.vocab_size, self.max_logprobs, self.layout.split)
+                    checked.add(id(p))
+            return slot_list, param_list
 
-        self.agreement.check("params", check, key=slot)
-        self.state.write_params(slot, params, self.eos_token_ids)
+        slot_list, param_list = self.agreement.check("params", check)
+        self.state.write_params(slot_list, param_list, self.eos_token_ids)
 
     def set_noise(self, slots: Sequence[int], seeds: Sequence[int | None], positions: Sequence[int | None],
                   streams: Sequence[int], *, drawn: Sequence[bool] | None = None) -> None:

@@ -39,6 +39,20 @@ _INT64_MAX = 2**63 - 1
 MU, TAU, ETA = range(3)  # the columns of `SamplerState.mirostat`
 
 
+_MAX_FILL_RUNS = 16  # `_fill_rows`: more runs than this, one index fill
+
+
+def consecutive_runs(slots: list[int]) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive values in `slots`, in order ([3, 4, 5, 9] -> [(3, 6), (9, 10)])."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
+
+
 class SlotRecord(NamedTuple):
     """The host record of one slot (its position is on the device: `SamplerState.positions`)."""
 
@@ -152,7 +166,7 @@ class SamplerState:
               prompt_token_ids: Sequence[int], output_token_ids: Sequence[int],
               eos_token_ids: Sequence[int], drawn: bool = False) -> None:
         """Write every column of `slot` (ids already checked against the vocabulary)."""
-        self.write_params(slot, params, eos_token_ids)
+        self.write_params([slot], [params], eos_token_ids)
         self.write_request(slot, seed, position, stream, prompt_token_ids, output_token_ids, drawn)
 
     def write_request(self, slot: int, seed: int, position: int, stream: int, prompt_token_ids: Sequence[int],
@@ -165,51 +179,71 @@ class SamplerState:
         self.set_history(slot, prompt_token_ids, output_token_ids)
         self.seeds[slot], self.drawn[slot], self.streams[slot] = seed, drawn, stream
 
-    def write_params(self, slot: int, params: SamplingParams, eos_token_ids: Sequence[int]) -> None:
-        """Write the parameter columns of `slot` (not its seed, position or history)."""
-        values = {  # top_k and min_tokens have no upper bound: beyond int64 they mean what 2^63 - 1 does
-            "temperature": params.temperature, "top_k": min(params.top_k, _INT64_MAX), "top_p": params.top_p,
-            "min_p": params.min_p, "presence": params.presence_penalty,
-            "frequency": params.frequency_penalty, "repetition": params.repetition_penalty,
-            "min_tokens": min(params.min_tokens, _INT64_MAX),
-        }
-        for name, value in values.items():
-            getattr(self, name)[slot] = value
+    def write_params(self, slots: Sequence[int], params: Sequence[SamplingParams],
+                     eos_token_ids: Sequence[int]) -> None:
+        """Write the parameter columns of `slots[i]` from `params[i]` (not their seeds, positions or
+        histories), all at once: one indexed write per column, and the optional dense columns row by
+        row only where they exist or a request uses them."""
+        if not len(slots):
+            return
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.device)
+        columns = (  # top_k and min_tokens have no upper bound: beyond int64 they mean what 2^63 - 1 does
+            (self.temperature, [p.temperature for p in params]),
+            (self.top_k, [min(p.top_k, _INT64_MAX) for p in params]),
+            (self.top_p, [p.top_p for p in params]), (self.min_p, [p.min_p for p in params]),
+            (self.presence, [p.presence_penalty for p in params]),
+            (self.frequency, [p.frequency_penalty for p in params]),
+            (self.repetition, [p.repetition_penalty for p in params]),
+            (self.min_tokens, [min(p.min_tokens, _INT64_MAX) for p in params]),
+        )
+        for column, values in columns:
+            column[index] = torch.tensor(values, dtype=column.dtype, device=self.device)
         layout = self.layout
-        if params.logit_bias or self.logit_bias is not None:
+        if self.logit_bias is not None or any(p.logit_bias for p in params):
             bias = self._dense("logit_bias", torch.float32, 0.0)
-            bias[slot] = 0.0
-            mine = {t - layout.offset: v for t, v in (params.logit_bias or {}).items() if layout.holds(t)}
-            if mine:
-                bias[slot, list(mine)] = torch.tensor(list(mine.values()), dtype=torch.float32, device=self.device)
-        if params.allowed_token_ids is not None or self.allowed_mask is not None:
+            bias[index] = 0.0
+            for slot, p in zip(slots, params):
+                mine = {t - layout.offset: v for t, v in (p.logit_bias or {}).items() if layout.holds(t)}
+                if mine:
+                    bias[slot, list(mine)] = torch.tensor(list(mine.values()), dtype=torch.float32,
+                                                          device=self.device)
+        if self.allowed_mask is not None or any(p.allowed_token_ids is not None for p in params):
             allowed = self._dense("allowed_mask", torch.bool, True)
-            allowed[slot] = params.allowed_token_ids is None
-            if params.allowed_token_ids is not None:
-                allowed[slot, layout.local(params.allowed_token_ids)] = True
-        stop_ids = list(params.stop_token_ids) + list(eos_token_ids)
-        if (params.min_tokens > 0 and stop_ids) or self.stop_mask is not None:
+            allowed[index] = True
+            for slot, p in zip(slots, params):
+                if p.allowed_token_ids is not None:
+                    allowed[slot] = False
+                    allowed[slot, layout.local(p.allowed_token_ids)] = True
+        eos = list(eos_token_ids)
+        stops = [list(p.stop_token_ids) + eos if p.min_tokens > 0 else [] for p in params]
+        if self.stop_mask is not None or any(stops):
             stop = self._dense("stop_mask", torch.bool, False)
-            stop[slot] = False
-            if params.min_tokens > 0:
-                stop[slot, layout.local(stop_ids)] = True
-        words = params.bad_words_token_ids
-        if words or self.bad_words is not None:
-            table = self._reserve_bad_words(len(words), max((len(w) for w in words), default=1))
-            table[slot] = -1
+            stop[index] = False
+            for slot, ids in zip(slots, stops):
+                if ids:
+                    stop[slot, layout.local(ids)] = True
+        if self.bad_words is not None or any(p.bad_words_token_ids for p in params):
+            words_of = [p.bad_words_token_ids for p in params]
+            table = self._reserve_bad_words(max(len(w) for w in words_of),
+                                            max((len(word) for w in words_of for word in w), default=1))
+            table[index] = -1
             length = table.shape[2]
-            for w, word in enumerate(words):  # global ids: every rank matches the same history
-                table[slot, w, length - len(word):] = torch.tensor(word, dtype=torch.int64, device=self.device)
-        if params.dry:
-            self._reserve_dry_history(dry_window(params.dry_penalty_last_n, DRY_MAX_HISTORY))
-        if params.mirostat_tau is not None or self.mirostat is not None:
+            for slot, words in zip(slots, words_of):
+                for w, word in enumerate(words):  # global ids: every rank matches the same history
+                    table[slot, w, length - len(word):] = torch.tensor(word, dtype=torch.int64, device=self.device)
+        windows = [dry_window(p.dry_penalty_last_n, DRY_MAX_HISTORY) for p in params if p.dry]
+        if windows:
+            self._reserve_dry_history(max(windows))
+        if self.mirostat is not None or any(p.mirostat_tau is not None for p in params):
             if self.mirostat is None:
                 self.mirostat = torch.zeros((self.max_slots, 3), dtype=torch.float64, device=self.device)
                 self.mirostat_surprise = torch.full((self.max_slots,), float("nan"), dtype=torch.float64,
                                                     device=self.device)
-            tau = 0.0 if params.mirostat_tau is None else params.mirostat_tau
-            self.mirostat[slot] = torch.tensor([2.0 * tau, tau, params.mirostat_eta], dtype=torch.float64)
-        self.params[slot] = params
+            taus = [0.0 if p.mirostat_tau is None else p.mirostat_tau for p in params]
+            self.mirostat[index] = torch.tensor([[2.0 * tau, tau, p.mirostat_eta] for tau, p in zip(taus, params)],
+                                                dtype=torch.float64, device=self.device)
+        for slot, p in zip(slots, params):
+            self.params[slot] = p
 
     def set_history(self, slot: int, prompt_token_ids: Sequence[int], output_token_ids: Sequence[int]) -> None:
         """Rebuild the slot's prompt mask and output counts from global token lists."""
@@ -368,9 +402,9 @@ class SamplerState:
         # and copied on every admission
         if prompt_tokens is not None:
             rows, ids = self._real_pairs(slots, self.layout.local_tensor(prompt_tokens))
-            self.prompt_mask.index_fill_(0, slots, False)
+            self._fill_rows(self.prompt_mask, slots, False)
             self.prompt_mask[rows, ids] = True
-        self.output_counts.index_fill_(0, slots, 0)
+        self._fill_rows(self.output_counts, slots, 0)
         lengths = torch.zeros(slots.numel(), dtype=torch.int64, device=self.device)
         if output_tokens is not None:
             rows, ids = self._real_pairs(slots, self.layout.local_tensor(output_tokens))
@@ -391,6 +425,18 @@ class SamplerState:
             self._rebuild_dry_history(slots, prompt_tokens, output_tokens, old_lengths)
         if self.mirostat is not None:  # a rebuilt history starts Mirostat afresh: mu = 2 tau
             self.mirostat[slots, MU] = 2.0 * self.mirostat[slots, TAU]
+
+    def _fill_rows(self, tensor: torch.Tensor, slots: torch.Tensor, value: bool | int) -> None:
+        """Rows `slots` of `tensor` set to `value`. On the CPU a few runs of consecutive slots (an
+        admitted burst fills the free slots in order) are filled as contiguous blocks: an index fill
+        of many rows takes several times as long as a fill of the same bytes."""
+        if self.device.type == "cpu":
+            runs = consecutive_runs(slots.tolist())
+            if len(runs) <= _MAX_FILL_RUNS:
+                for start, stop in runs:
+                    tensor[start:stop].fill_(value)
+                return
+        tensor.index_fill_(0, slots, value)
 
     def _rebuild_dry_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
                              output_tokens: torch.Tensor | None, old_output_lengths: list[int]) -> None:
