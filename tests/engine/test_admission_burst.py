@@ -182,3 +182,57 @@ def test_rebuilding_the_history_of_runs_of_slots_clears_exactly_their_rows(runs)
     counts[slots] = 0
     assert torch.equal(sampler.state.prompt_mask, mask)
     assert torch.equal(sampler.state.output_counts, counts)
+
+
+def test_an_admission_runs_its_small_operations_on_one_thread_and_its_row_fills_on_the_callers(monkeypatch):
+    from tokensampler.engine.generator import SamplingGenerator
+    from tokensampler.state import slots as slots_module
+
+    seen: dict[str, list[int]] = {"write_params": [], "fill": []}
+    write_params, runs = slots_module.SamplerState.write_params, slots_module.consecutive_runs
+
+    def recording_write(self, *args, **kwargs):
+        seen["write_params"].append(torch.get_num_threads())
+        return write_params(self, *args, **kwargs)
+
+    def recording_runs(slot_list):
+        seen["fill"].append(torch.get_num_threads())
+        return runs(slot_list)
+
+    monkeypatch.setattr(slots_module.SamplerState, "write_params", recording_write)
+    monkeypatch.setattr(slots_module, "consecutive_runs", recording_runs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        gen = SamplingGenerator(V, max_batch_size=4, device="cpu", warmup=False, compile=False)
+        seen["write_params"].clear()
+        gen.apply_prefill_state(sampling_params=burst([dict(seed=i) for i in range(3)]),
+                                prompt_tokens=torch.tensor([[1, 2], [3, -1], [4, 5]]), empty_slots=[0, 1, 3])
+        assert torch.get_num_threads() == 2
+        with pytest.raises(InvalidSamplingParams):  # restored after a refusal too
+            gen.apply_prefill_state(sampling_params=burst([dict(seed=1)]), prompt_tokens=torch.tensor([[V]]),
+                                    empty_slots=[2])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen["write_params"] == [1] and seen["fill"] and set(seen["fill"]) == {2}, seen
+
+
+def test_single_threaded_restores_the_count_and_caller_threads_gives_it_back_inside():
+    from tokensampler.core.threads import caller_threads, single_threaded
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with caller_threads():  # outside single_threaded: no change
+            assert torch.get_num_threads() == 2
+        with pytest.raises(RuntimeError):
+            with single_threaded():
+                assert torch.get_num_threads() == 1
+                with caller_threads():
+                    assert torch.get_num_threads() == 2
+                assert torch.get_num_threads() == 1
+                raise RuntimeError("inside")
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

@@ -31,6 +31,7 @@ from ..core.constants import POSITION_LIMIT
 from ..core.errors import InvalidSamplingParams, StaleSamplingState, TraceMismatch
 from ..core.output import LogprobsOutput, SamplerOutput, SpeculativeOutput
 from ..core.params import SamplingParams, check_params_for_vocab
+from ..core.threads import single_threaded
 from ..sampler import Sampler
 from ..sampler.checks import check_mus
 from .batch_params import BatchSamplingParams, as_batch_params, format_requests, lanes_by_slot
@@ -182,17 +183,21 @@ class SamplingGenerator:
             return (slots, requests, prompts, outputs, lengths,
                     None if streams is None else check_streams(int_list("streams", streams), len(slots)), mus)
 
-        slots, requests, prompts, outputs, lengths, streams, mus = self.agreement.check("apply_prefill_state", check)
-        if not slots:
-            return []
-        # every check is done (on every rank): change state
-        seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams, positions=lengths)
-        for slot in slots:
-            self._occupied[slot] = True
-            self._stale[slot] = self._prompt_stale[slot] = False
-        self._write_device_params(slots, requests)
-        self.sampler.reset_history(slots, prompts.to(self.device), None if outputs is None else outputs.to(self.device))
-        self.sampler.set_mu(slots, mus)
+        with single_threaded():  # many small operations: robust when another process wants a core
+            slots, requests, prompts, outputs, lengths, streams, mus = self.agreement.check(
+                "apply_prefill_state", check)
+            if not slots:
+                return []
+            # every check is done (on every rank): change state
+            seeds = self.seed_manager.reset_seed([r.seed for r in requests], slots, streams=streams,
+                                                 positions=lengths)
+            for slot in slots:
+                self._occupied[slot] = True
+                self._stale[slot] = self._prompt_stale[slot] = False
+            self._write_device_params(slots, requests, changed_only=False)
+            self.sampler.reset_history(slots, prompts.to(self.device),
+                                       None if outputs is None else outputs.to(self.device))
+            self.sampler.set_mu(slots, mus)
         return seeds
 
     def release_slots(self, slots: Sequence[int]) -> None:
@@ -409,14 +414,16 @@ class SamplingGenerator:
         return self.tracer.captures
 
     # ------------------------------------------------------------ helpers
-    def _write_device_params(self, slots: Sequence[int], params: Sequence[SamplingParams | None]) -> None:
+    def _write_device_params(self, slots: Sequence[int], params: Sequence[SamplingParams | None], *,
+                             changed_only: bool = True) -> None:
         """Make the sampler's row of `slots[i]` hold `params[i]` (None: keep the occupied slot's; an
-        empty slot always holds the neutral row), rewriting the device columns of the rows that
-        change, all at once."""
+        empty slot always holds the neutral row), all at once; `changed_only`: only the rows whose
+        parameters change are rewritten (an admission rewrites every row: new requests)."""
         changed, targets = [], []
         for slot, given in zip(slots, params):
-            target = NEUTRAL_PARAMS if not self._occupied[slot] else given or self.sampler.params_of(slot)
-            if self.sampler.params_of(slot) != target:
+            current = self.sampler.params_of(slot)
+            target = NEUTRAL_PARAMS if not self._occupied[slot] else given or current
+            if not changed_only or (current is not target and current != target):
                 changed.append(slot)
                 targets.append(target)
                 sampled = not target.greedy

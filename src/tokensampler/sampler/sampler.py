@@ -29,9 +29,9 @@ from ..backends.torch_step.config import TorchStepConfig
 from ..backends.triton.config import KernelConfig
 from ..core import rng
 from ..core.checks import (
+    as_list,
     check_device,
     check_int,
-    as_list,
     check_logits,
     check_slots,
     int_list,

@@ -33,6 +33,7 @@ import torch
 from ..core import rng
 from ..core.dry import DRY_MAX_HISTORY, dry_window
 from ..core.params import SamplingParams
+from ..core.threads import caller_threads
 from .layout import VocabLayout
 
 _INT64_MAX = 2**63 - 1
@@ -429,14 +430,16 @@ class SamplerState:
     def _fill_rows(self, tensor: torch.Tensor, slots: torch.Tensor, value: bool | int) -> None:
         """Rows `slots` of `tensor` set to `value`. On the CPU a few runs of consecutive slots (an
         admitted burst fills the free slots in order) are filled as contiguous blocks: an index fill
-        of many rows takes several times as long as a fill of the same bytes."""
-        if self.device.type == "cpu":
-            runs = consecutive_runs(slots.tolist())
-            if len(runs) <= _MAX_FILL_RUNS:
-                for start, stop in runs:
-                    tensor[start:stop].fill_(value)
-                return
-        tensor.index_fill_(0, slots, value)
+        of many rows takes several times as long as a fill of the same bytes. Inside
+        `single_threaded` (an admission) the fill runs on the caller's threads."""
+        with caller_threads():  # memory-bound: every thread the caller has
+            if self.device.type == "cpu":
+                runs = consecutive_runs(slots.tolist())
+                if len(runs) <= _MAX_FILL_RUNS:
+                    for start, stop in runs:
+                        tensor[start:stop].fill_(value)
+                    return
+            tensor.index_fill_(0, slots, value)
 
     def _rebuild_dry_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
                              output_tokens: torch.Tensor | None, old_output_lengths: list[int]) -> None:
