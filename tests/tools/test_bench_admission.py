@@ -18,7 +18,8 @@ def test_the_report_has_a_row_per_size_and_a_table():
 def test_the_command_prints_the_table_and_writes_json(tmp_path, monkeypatch, capsys):
     real = bench_admission.run_admission_bench
     monkeypatch.setattr(bench_admission, "run_admission_bench",
-                        lambda rounds=None, quick=False: real(rounds=rounds, quick=quick, sizes=(1, 2)))
+                        lambda rounds=None, quick=False, contention=0: real(rounds=rounds, quick=quick, sizes=(1, 2),
+                                                                            contention=contention))
     path = tmp_path / "admission.json"
     assert cli.main(["bench", "--admission", "--rounds", "1", "--json", str(path)]) == 0
     assert "requests = lanes" in capsys.readouterr().out
@@ -46,3 +47,15 @@ def test_quick_reports_admission_beside_the_matrix(monkeypatch, capsys):
     assert [row["requests"] for row in seen["extra"]["admission"]["results"]] == [1]
     assert "requests = lanes" in capsys.readouterr().out
     assert cli.main(["bench", "--quick", "--case", "greedy"]) == 0 and seen["extra"] is None
+
+
+def test_contention_times_each_round_beside_busy_processes_too(capsys):
+    report = bench_admission.run_admission_bench(rounds=2, sizes=(1, 4), contention=1)
+    assert report["contention"] == 1
+    for row in report["results"]:
+        assert len(row["contended_runs_ms"]) == 2 and len(row["runs_ms"]) == 2
+        assert row["contention_ratio"] == row["contended_median_ms"] / row["median_ms"]
+    table = bench_admission.format_admission_table(report)
+    assert "contended / quiet" in table and table.count("x |") == 2 + 1  # two ratios, one growth
+    assert cli.main(["bench", "--admission", "--contention", "-1"]) == cli.USAGE_ERROR
+    assert "--contention" in capsys.readouterr().err

@@ -78,7 +78,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                              "B=32, K=4, V=151936) against the plain step run K+1 times (bench_speculative.py)")
     parser.add_argument("--contention", type=int, default=0, metavar="N",
                         help="also time every round beside N busy processes (each spins on one core) and "
-                             "report each case's contended / quiet ratio (default 0: quiet only)")
+                             "report each case's contended / quiet ratio (default 0: quiet only); with "
+                             "--admission, each round's second admission")
     parser.add_argument("--admission", action="store_true",
                         help="time SamplingGenerator.apply_prefill_state admitting 1, 32, 256 and 1,024 requests "
                              "into as many lanes (CPU, V=32000; bench_admission.py); --quick's report includes it")
@@ -93,11 +94,11 @@ def check_bench_args(args: argparse.Namespace) -> None:
         if value is not None:
             check_int(flag, value, 1, allowed="an int >= 1")
     check_int("--contention", args.contention, 0, allowed="an int >= 0")
-    # --contention and --against llama.cpp time the plain matrix: not with the other modes of the bench
+    # --contention times the plain matrix or the admissions, --against llama.cpp the plain matrix
     other_mode = args.warmup or args.world is not None or args.speculative or args.admission
-    if args.contention and other_mode:
-        raise InvalidSamplingParams("--contention", args.contention, "0 with --warmup, --world, --speculative "
-                                    "or --admission (it times the workload matrix)")
+    if args.contention and (args.warmup or args.world is not None or args.speculative):
+        raise InvalidSamplingParams("--contention", args.contention, "0 with --warmup, --world or --speculative "
+                                    "(it times the workload matrix, or the admissions)")
     if args.json_path is not None:
         check_output_file("--json", args.json_path)
     if args.against == "llama.cpp" and other_mode:
@@ -143,7 +144,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
             bench_warmup.write_json(result, args.json_path)
         return 0 if result["prepared_after_warmup"] == 0 and not result["dynamo_counters_changed"] else 1
     if args.admission:
-        report = bench_admission.run_admission_bench(rounds=args.rounds, quick=args.quick)
+        report = bench_admission.run_admission_bench(rounds=args.rounds, quick=args.quick,
+                                                     contention=args.contention)
         print(bench_admission.format_admission_table(report))
         if args.json_path:
             bench_admission.write_json(report, args.json_path)
