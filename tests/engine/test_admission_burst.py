@@ -184,7 +184,9 @@ def test_rebuilding_the_history_of_runs_of_slots_clears_exactly_their_rows(runs)
     assert torch.equal(sampler.state.output_counts, counts)
 
 
-def test_an_admission_runs_its_small_operations_on_one_thread_and_its_row_fills_on_the_callers(monkeypatch):
+@pytest.mark.parametrize("threaded_fill_bytes, fill_threads", [(0, 2), (2**40, 1)])
+def test_an_admission_runs_its_small_operations_on_one_thread_and_its_large_row_fills_on_the_callers(
+        monkeypatch, threaded_fill_bytes, fill_threads):
     from tokensampler.engine.generator import SamplingGenerator
     from tokensampler.state import slots as slots_module
 
@@ -201,6 +203,7 @@ def test_an_admission_runs_its_small_operations_on_one_thread_and_its_row_fills_
 
     monkeypatch.setattr(slots_module.SamplerState, "write_params", recording_write)
     monkeypatch.setattr(slots_module, "consecutive_runs", recording_runs)
+    monkeypatch.setattr(slots_module, "_THREADED_FILL_BYTES", threaded_fill_bytes)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -215,7 +218,7 @@ def test_an_admission_runs_its_small_operations_on_one_thread_and_its_row_fills_
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
-    assert seen["write_params"] == [1] and seen["fill"] and set(seen["fill"]) == {2}, seen
+    assert seen["write_params"] == [1] and seen["fill"] and set(seen["fill"]) == {fill_threads}, seen
 
 
 def test_single_threaded_restores_the_count_and_caller_threads_gives_it_back_inside():

@@ -26,6 +26,7 @@ it there (`record_tokens`), and `positions` reads it.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Sequence
 
 import torch
@@ -41,6 +42,7 @@ MU, TAU, ETA = range(3)  # the columns of `SamplerState.mirostat`
 
 
 _MAX_FILL_RUNS = 16  # `_fill_rows`: more runs than this, one index fill
+_THREADED_FILL_BYTES = 2**25  # `_fill_rows`: from 32 MiB, on the caller's threads
 
 
 def consecutive_runs(slots: list[int]) -> list[tuple[int, int]]:
@@ -431,8 +433,11 @@ class SamplerState:
         """Rows `slots` of `tensor` set to `value`. On the CPU a few runs of consecutive slots (an
         admitted burst fills the free slots in order) are filled as contiguous blocks: an index fill
         of many rows takes several times as long as a fill of the same bytes. Inside
-        `single_threaded` (an admission) the fill runs on the caller's threads."""
-        with caller_threads():  # memory-bound: every thread the caller has
+        `single_threaded` (an admission) a fill of at least `_THREADED_FILL_BYTES` runs on the
+        caller's threads (a smaller one gains less from them than it loses waiting for a thread
+        that lost its core)."""
+        large = slots.numel() * tensor[0].numel() * tensor.element_size() >= _THREADED_FILL_BYTES
+        with caller_threads() if large else contextlib.nullcontext():  # memory-bound: the caller's threads
             if self.device.type == "cpu":
                 runs = consecutive_runs(slots.tolist())
                 if len(runs) <= _MAX_FILL_RUNS:
