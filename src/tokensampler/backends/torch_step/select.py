@@ -21,6 +21,7 @@ import torch
 
 from ...core import rng
 from ...core.constants import NEG_INF, POS_INF
+from . import native
 from .config import DEFAULT, TorchStepConfig
 from .indexing import column_chunks, nonzero_ids, read_at
 from .row_stats import winnable_count
@@ -97,6 +98,11 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
     width = int(count.max()) if count.numel() else 0
     if width > cap:  # checked before the compaction, which would be as large as the row
         return None
+    op = native.gather_op() if compiled and _native_layout(z, lower, scale) else None
+    if op is not None:
+        values, ids, listed = op(z, lower, scale, width)
+        if torch.equal(listed, count):  # always, unless `count` was not z >= lower's: then torch's way
+            return values, ids, count
     mask = z >= lower[:, None]
     hits = nonzero_ids(mask.view(-1), int(count.sum()))  # flat, row-major: a row's hits are consecutive
     del mask
@@ -120,6 +126,13 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
     values.view(-1)[dest] = picked
     ids.view(-1)[dest] = cols
     return values, ids, count
+
+
+def _native_layout(z: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor | None) -> bool:
+    """Whether the C++ pass takes these tensors: float32 on the CPU, rows of z contiguous."""
+    vectors = (lower,) if scale is None else (lower, scale)
+    return (z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 2 and z.stride(1) == 1
+            and all(v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu" for v in vectors))
 
 
 def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor | None = None,

@@ -1,0 +1,110 @@
+"""The step's C++ pass: the candidate list gathered in one pass over the rows (`native_gather.cpp`).
+
+`select.gather_candidates` lists every id at or above a row's floor. In torch operations that is a
+compare writing a bool mask of the rows' size, two compactions and the placement arithmetic: six
+parallel regions and a full extra write. The C++ pass reads each row once, compares 32 values at a
+time (AVX2) and writes only the hits, on torch's own thread pool (one region). Its result is the same
+tensors, bit for bit: the same float32 compare (NaN false) and the same float32 division.
+
+It is built the first time a compiling sampler needs it (`Sampler(compile=True)`, the default where a
+C++ compiler is found: the same requirement as inductor's), with the compiler inductor uses (`CXX`,
+else `c++`) against torch's headers and libraries, into inductor's cache directory in a folder keyed
+by the torch version, the CPU capability and the source, then loaded with `torch.ops.load_library`;
+a later process only loads it (about 8 s to build on the 2-core machine, once). Where it cannot be
+built or loaded (no compiler, another platform, an error), `gather_op()` returns None, one
+`CompileFallbackWarning` says why, and the torch operations run instead (same tokens). An eager
+sampler (`compile=False`) never uses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ...core.errors import CompileFallbackWarning
+
+SOURCE = Path(__file__).with_name("native_gather.cpp")
+LIBRARY = "tokensampler_native"
+_LOCK = threading.Lock()
+_STATE: dict[str, Callable | None] = {}
+
+
+def _flags() -> list[str]:
+    """Compiler flags: optimised, no fast-math (the division and compare stay IEEE), torch's ABI,
+    OpenMP (at::parallel_for's region; it resolves to the libgomp torch already loaded), AVX2 where
+    torch's own kernels use it."""
+    from torch.utils import cpp_extension
+
+    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+    if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags.append("-mavx2")
+    for path in cpp_extension.include_paths():
+        flags += ["-I", path]
+    for path in cpp_extension.library_paths():
+        flags += ["-L", path, f"-Wl,-rpath,{path}"]
+    return flags
+
+
+def library_path() -> Path:
+    """Where the built library is kept: keyed by torch, the platform, the flags and the source."""
+    from .compile_cache import cache_dir
+
+    digest = hashlib.sha256()
+    for part in (torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
+                 " ".join(_flags()), SOURCE.read_bytes()):
+        digest.update(part if isinstance(part, bytes) else str(part).encode())
+    return Path(cache_dir()) / "tokensampler_native" / digest.hexdigest()[:20] / "native_gather.so"
+
+
+def build(target: Path) -> None:
+    """Compile the source into `target` (built in a temporary folder beside it, then renamed: a
+    concurrent process never loads a half-written file). Raises on failure."""
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (CXX, c++ or g++)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        command = [compiler, str(SOURCE), "-o", str(built), *_flags(), "-lc10", "-ltorch_cpu", "-ltorch"]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
+        os.replace(built, target)
+
+
+def gather_op() -> Callable | None:
+    """`torch.ops.tokensampler_native.gather_at_or_above`, built or loaded on first use; None where it
+    cannot be (then one `CompileFallbackWarning`, and the caller runs torch's operations)."""
+    if "op" in _STATE:
+        return _STATE["op"]
+    with _LOCK:
+        if "op" not in _STATE:
+            _STATE["op"] = _load()
+    return _STATE["op"]
+
+
+def _load() -> Callable | None:
+    if platform.system() != "Linux":
+        return None  # built and tested on Linux only
+    try:
+        if not hasattr(torch.ops, LIBRARY) or not hasattr(getattr(torch.ops, LIBRARY), "gather_at_or_above"):
+            target = library_path()
+            if not target.exists():
+                build(target)
+            torch.ops.load_library(str(target))
+        return torch.ops.tokensampler_native.gather_at_or_above
+    except Exception as error:  # noqa: BLE001 - any failure: the torch operations run instead
+        warnings.warn(f"tokensampler's C++ candidate pass is not available ({error}); the step uses torch "
+                      "operations instead (same tokens)", CompileFallbackWarning, stacklevel=3)
+        return None

@@ -1,0 +1,120 @@
+"""The C++ candidate pass (`native_gather.cpp`) gives `select.gather_candidates`'s torch result bit
+for bit, on the rows a step sees and on the edges of its compare; a sampler that compiles uses it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tokensampler import Sampler, SamplingParams
+from tokensampler.backends.torch_step import native, select
+from tokensampler.tools.bench import make_logits
+
+OP = native.gather_op()
+pytestmark = pytest.mark.skipif(OP is None, reason="no C++ compiler for the native pass on this platform")
+
+
+def torch_list(z, lower, scale=None):
+    count = (z >= lower[:, None]).sum(dim=1)
+    return select.gather_candidates(z, lower, 1 << 30, count=count, scale=scale, compiled=False), count
+
+
+def native_list(z, lower, scale=None, width=None):
+    count = (z >= lower[:, None]).sum(dim=1)
+    width = int(count.max()) if width is None and count.numel() else (width or 0)
+    return OP(z, lower, scale, width)
+
+
+def assert_same(z, lower, scale=None):
+    (values, ids, count), _ = torch_list(z, lower, scale)
+    got_values, got_ids, got_count = native_list(z, lower, scale)
+    assert torch.equal(got_count, count)
+    assert torch.equal(got_ids, ids)
+    # bit for bit (NaN-free: the compare never lists a NaN), -0.0 included
+    assert torch.equal(got_values.view(torch.int32), values.view(torch.int32))
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100, 1000, 151936])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_random_rows_at_several_floors(rows, vocab):
+    gen = torch.Generator().manual_seed(rows * 1000 + vocab)
+    z = torch.randn(rows, vocab, generator=gen) * 4
+    for quantile in (0.0, 0.5, 0.99, 1.0):
+        lower = torch.quantile(z, quantile, dim=1) if vocab > 1 else z[:, 0].clone()
+        assert_same(z, lower.contiguous())
+        assert_same(z, lower.contiguous(), scale=torch.rand(rows, generator=gen) * 3 + 0.05)
+
+
+def test_edges_of_the_compare():
+    nan, inf = math.nan, math.inf
+    z = torch.tensor([
+        [nan, 1.0, nan, 2.0, -inf, inf, 0.0, -0.0] * 5,
+        [1.0] * 40,                      # every id ties with the floor
+        [-inf] * 40,                     # nothing reaches a finite floor
+        [0.5, -0.0, 0.0, 1e-45, -1e-45] * 8,
+    ])
+    lower = torch.tensor([1.0, 1.0, -1e30, 0.0])
+    assert_same(z, lower)
+    assert_same(z, lower, scale=torch.tensor([3.0, 0.7, 1.0, 1e-30]))
+
+
+def test_rows_of_a_wider_buffer_and_empty_rows():
+    base = torch.randn(5, 300, generator=torch.Generator().manual_seed(1))
+    z = base[:, 10:260]  # rows contiguous, stride 300
+    lower = z.amax(dim=1) - 1.5
+    assert_same(z, lower.contiguous())
+    empty = torch.empty(0, 64)
+    values, ids, count = native_list(empty, torch.empty(0))
+    assert values.shape == (0, 1) and ids.shape == (0, 1) and count.shape == (0,)
+
+
+def test_a_short_width_keeps_the_first_hits_and_counts_them_all():
+    z = torch.arange(100, dtype=torch.float32)[None]
+    values, ids, count = native_list(z, torch.tensor([50.0]), width=7)
+    assert int(count) == 50 and ids.tolist() == [[50, 51, 52, 53, 54, 55, 56]]
+    assert values.tolist() == [[50.0, 51.0, 52.0, 53.0, 54.0, 55.0, 56.0]]
+
+
+def test_a_compiling_sampler_lists_candidates_with_it_and_draws_what_an_eager_one_draws(monkeypatch):
+    calls = []
+    real = native.gather_op
+
+    def counting():
+        op = real()
+        return None if op is None else (lambda *args: calls.append(1) or op(*args))
+
+    monkeypatch.setattr(native, "gather_op", counting)
+    logits = make_logits(6, 151936, flat=False, device=torch.device("cpu"))  # peaked: the candidate list route
+    tokens = []
+    for compile in (True, False):
+        sampler = Sampler(151936, max_slots=6, compile=compile)
+        for slot in range(6):
+            sampler.add_request(slot, SamplingParams(temperature=0.8, top_p=0.9, top_k=50 * slot, seed=slot), [1])
+        tokens.append([sampler.sample(logits).token_ids.tolist() for _ in range(4)])
+        if compile:
+            assert calls, "the compiling sampler did not use the C++ pass"
+            calls.clear()
+    assert tokens[0] == tokens[1] and not calls
+
+
+def test_a_library_that_cannot_be_built_leaves_the_torch_operations_with_one_warning(tmp_path, monkeypatch):
+    from tokensampler.core.errors import CompileFallbackWarning
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    with pytest.raises((RuntimeError, OSError)):
+        native.build(tmp_path / "lib" / "native_gather.so")
+    assert not (tmp_path / "lib" / "native_gather.so").exists()
+    monkeypatch.setattr(native, "LIBRARY", "tokensampler_native_not_built")
+    monkeypatch.setattr(native, "library_path", lambda: tmp_path / "lib" / "native_gather.so")
+    monkeypatch.setattr(native, "_STATE", {})
+    with pytest.warns(CompileFallbackWarning, match="C\\+\\+ candidate pass"):
+        assert native.gather_op() is None
+    assert native.gather_op() is None  # decided once
+    z = torch.randn(3, 500, generator=torch.Generator().manual_seed(4))
+    lower = z.amax(dim=1) - 2
+    count = (z >= lower[:, None]).sum(dim=1)
+    got = select.gather_candidates(z, lower, 1 << 30, count=count, compiled=True)
+    want = select.gather_candidates(z, lower, 1 << 30, count=count, compiled=False)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
