@@ -126,3 +126,51 @@ def test_a_library_that_cannot_be_built_leaves_the_torch_operations_with_one_war
     got = select.gather_candidates(z, lower, 1 << 30, count=count, compiled=True)
     want = select.gather_candidates(z, lower, 1 << 30, count=count, compiled=False)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000, 151936])
+def test_the_seen_ids_of_penalised_slots_are_the_torch_compactions(vocab):
+    from tokensampler.backends.torch_step import penalties
+
+    gen = torch.Generator().manual_seed(vocab)
+    slots_total = 6
+    prompt = torch.rand(slots_total, vocab, generator=gen) < 0.01
+    counts = (torch.rand(slots_total, vocab, generator=gen) < 0.005).to(torch.int32) * torch.randint(
+        1, 5, (slots_total, vocab), generator=gen, dtype=torch.int32)
+    prompt[1] = False
+    counts[1] = 0  # a slot that has seen nothing
+    counts[2, -1] = 3  # the last id, from the outputs only
+    prompt[3, 0] = True  # the first id, from the prompt only
+    counts[4] = 7  # every id
+    for slots in ([0, 1, 2, 3, 4, 5], [5, 3, 1], [2], []):
+        want = penalties.seen_ids(prompt, counts, slots, vocab, compiled=False)
+        got = penalties.seen_ids(prompt, counts, slots, vocab, compiled=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, want)), slots
+        assert got[1].numel() == sum(int(((prompt[s] | (counts[s] != 0))).sum()) for s in slots)
+
+
+def test_a_compiling_sampler_penalises_with_it_as_an_eager_one(monkeypatch):
+    calls = []
+    real = native.seen_op
+
+    def counting():
+        op = real()
+        return None if op is None else (lambda *args: calls.append(1) or op(*args))
+
+    monkeypatch.setattr(native, "seen_op", counting)
+    vocab = 50_000
+    logits = make_logits(4, vocab, flat=False, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
+    histories = [torch.randint(0, vocab, (300,), generator=gen).tolist() for _ in range(4)]
+    tokens = []
+    for compile in (True, False):
+        sampler = Sampler(vocab, max_slots=4, compile=compile)
+        for slot in range(4):
+            sampler.add_request(slot, SamplingParams(temperature=0.8, top_p=0.95, repetition_penalty=1.3,
+                                                     frequency_penalty=0.4, presence_penalty=0.3, seed=slot),
+                                histories[slot][:200], output_token_ids=histories[slot][200:])
+        tokens.append([sampler.sample(logits).token_ids.tolist() for _ in range(4)])
+        if compile:
+            assert calls, "the compiling sampler did not use the C++ pass"
+            calls.clear()
+    assert tokens[0] == tokens[1] and not calls

@@ -1,10 +1,14 @@
-"""The step's C++ pass: the candidate list gathered in one pass over the rows (`native_gather.cpp`).
+"""The step's C++ passes (`native_gather.cpp`): the candidate list, and the ids a penalised slot has
+seen, each gathered in one pass over the rows.
 
 `select.gather_candidates` lists every id at or above a row's floor. In torch operations that is a
 compare writing a bool mask of the rows' size, two compactions and the placement arithmetic: six
 parallel regions and a full extra write. The C++ pass reads each row once, compares 32 values at a
 time (AVX2) and writes only the hits, on torch's own thread pool (one region). Its result is the same
-tensors, bit for bit: the same float32 compare (NaN false) and the same float32 division.
+tensors, bit for bit: the same float32 compare (NaN false) and the same float32 division. Likewise
+`penalties.penalty_edits` lists the ids each penalised slot has seen (prompt mask or output count):
+in torch, a bool copy of every slot's counts, an or, and a compaction; in C++, one pass over the two
+rows per slot.
 
 It is built the first time a compiling sampler needs it (`Sampler(compile=True)`, the default where a
 C++ compiler is found: the same requirement as inductor's), with the compiler inductor uses (`CXX`,
@@ -27,7 +31,7 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -36,7 +40,7 @@ from ...core.errors import CompileFallbackWarning
 SOURCE = Path(__file__).with_name("native_gather.cpp")
 LIBRARY = "tokensampler_native"
 _LOCK = threading.Lock()
-_STATE: dict[str, Callable | None] = {}
+_STATE: dict[str, Any] = {}  # "ops": the loaded library's namespace, or None
 
 
 def _flags() -> list[str]:
@@ -86,25 +90,36 @@ def build(target: Path) -> None:
 def gather_op() -> Callable | None:
     """`torch.ops.tokensampler_native.gather_at_or_above`, built or loaded on first use; None where it
     cannot be (then one `CompileFallbackWarning`, and the caller runs torch's operations)."""
-    if "op" in _STATE:
-        return _STATE["op"]
+    ops = _library()
+    return None if ops is None else ops.gather_at_or_above
+
+
+def seen_op() -> Callable | None:
+    """`torch.ops.tokensampler_native.seen_ids` (the ids each penalised slot has seen), as `gather_op`."""
+    ops = _library()
+    return None if ops is None else ops.seen_ids
+
+
+def _library() -> Any:
+    if "ops" in _STATE:
+        return _STATE["ops"]
     with _LOCK:
-        if "op" not in _STATE:
-            _STATE["op"] = _load()
-    return _STATE["op"]
+        if "ops" not in _STATE:
+            _STATE["ops"] = _load()
+    return _STATE["ops"]
 
 
-def _load() -> Callable | None:
+def _load() -> Any:
     if platform.system() != "Linux":
         return None  # built and tested on Linux only
     try:
-        if not hasattr(torch.ops, LIBRARY) or not hasattr(getattr(torch.ops, LIBRARY), "gather_at_or_above"):
+        if not hasattr(getattr(torch.ops, LIBRARY), "seen_ids"):
             target = library_path()
             if not target.exists():
                 build(target)
             torch.ops.load_library(str(target))
-        return torch.ops.tokensampler_native.gather_at_or_above
+        return getattr(torch.ops, LIBRARY)
     except Exception as error:  # noqa: BLE001 - any failure: the torch operations run instead
         warnings.warn(f"tokensampler's C++ candidate pass is not available ({error}); the step uses torch "
-                      "operations instead (same tokens)", CompileFallbackWarning, stacklevel=3)
+                      "operations instead (same tokens)", CompileFallbackWarning, stacklevel=4)
         return None

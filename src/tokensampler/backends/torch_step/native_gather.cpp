@@ -10,7 +10,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+#include <algorithm>
 #include <limits>
+#include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -76,12 +78,72 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_at_or_above(
   return {values, ids, count};
 }
 
+// Append to `out` the ids i < n with prompt[i] != 0 or counts[i] != 0, ascending; with AVX2, 32 ids
+// at a time (one byte compare, four int32 compares), looking only into blocks that hold one.
+inline void append_seen(const uint8_t* prompt, const int32_t* counts, int64_t n, std::vector<int64_t>& out) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256i zero = _mm256_setzero_si256();
+  for (; i + 32 <= n; i += 32) {
+    const uint32_t empty_prompt = (uint32_t)_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(prompt + i)), zero));
+    uint32_t empty_counts = 0;
+    for (int q = 0; q < 4; ++q) {
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(counts + i + 8 * q));
+      empty_counts |= (uint32_t)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c, zero))) << (8 * q);
+    }
+    uint32_t m = ~(empty_prompt & empty_counts);
+    while (m) {
+      out.push_back(i + __builtin_ctz(m));
+      m &= m - 1;
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    if (prompt[i] != 0 || counts[i] != 0) out.push_back(i);
+  }
+}
+
+// seen_ids(prompt_mask, output_counts, slots): for each slots[j], the ids its prompt holds or its
+// outputs counted (prompt_mask[slot, id] or output_counts[slot, id] != 0), in id order: (member
+// int64 [H] = j, ids int64 [H]), row after row, as a nonzero over the stacked seen rows gives them.
+std::tuple<at::Tensor, at::Tensor> seen_ids(const at::Tensor& prompt_mask, const at::Tensor& output_counts,
+                                            const at::Tensor& slots) {
+  TORCH_CHECK(prompt_mask.dim() == 2 && prompt_mask.scalar_type() == at::kBool && prompt_mask.stride(1) == 1
+              && prompt_mask.device().is_cpu(), "prompt_mask: a CPU bool [S, V] tensor with contiguous rows");
+  TORCH_CHECK(output_counts.dim() == 2 && output_counts.scalar_type() == at::kInt && output_counts.stride(1) == 1
+              && output_counts.sizes() == prompt_mask.sizes(), "output_counts: int32 [S, V], contiguous rows");
+  TORCH_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong && slots.is_contiguous());
+  const int64_t n = slots.size(0), vocab = prompt_mask.size(1), rows = prompt_mask.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) TORCH_CHECK(sp[j] >= 0 && sp[j] < rows, "slots: in [0, S)");
+  std::vector<std::vector<int64_t>> found(n);
+  const uint8_t* pm = reinterpret_cast<const uint8_t*>(prompt_mask.data_ptr<bool>());
+  const int32_t* oc = output_counts.data_ptr<int32_t>();
+  const int64_t pstride = prompt_mask.stride(0), cstride = output_counts.stride(0);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) append_seen(pm + sp[j] * pstride, oc + sp[j] * cstride, vocab, found[j]);
+  });
+  int64_t total = 0;
+  for (const auto& ids : found) total += static_cast<int64_t>(ids.size());
+  at::Tensor member = at::empty({total}, slots.options());
+  at::Tensor ids = at::empty({total}, slots.options());
+  int64_t* mp = member.data_ptr<int64_t>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t j = 0, at_ = 0; j < n; ++j) {
+    for (int64_t id : found[j]) { mp[at_] = j; ip[at_] = id; ++at_; }
+  }
+  return {member, ids};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokensampler_native, m) {
   m.def("gather_at_or_above(Tensor z, Tensor lower, Tensor? scale, int width) -> (Tensor, Tensor, Tensor)");
+  m.def("seen_ids(Tensor prompt_mask, Tensor output_counts, Tensor slots) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tokensampler_native, CPU, m) {
   m.impl("gather_at_or_above", &gather_at_or_above);
+  m.impl("seen_ids", &seen_ids);
 }

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from . import native
 from .indexing import nonzero_ids, read_at
 
 
 def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mask: torch.Tensor,
                   output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
-                  presence: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                  presence: torch.Tensor, compiled: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Step 5 at the ids each slot has seen, without writing them.
 
     Parameters
@@ -19,22 +21,17 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     rows, slots: the rows of `z` to penalise and the slot each reads its history from.
     prompt_mask: bool [S, V]; output_counts: int32 [S, V]; repetition, frequency, presence:
         float32 [S] (the state's columns).
+    compiled: the sampler compiles: the seen ids by the C++ pass (`native.seen_op`) where it is built.
 
     Returns
     -------
     (row_index int64 [H], ids int64 [H], values float32 [H]): the penalised value of every seen
     (row, id), in the reference's float32 order; None if no row has seen an id. One seen-mask for
-    all rows, its hits found by `nonzero_ids`, then the arithmetic over the hits only."""
-    vocab = z.shape[1]
-    seen = torch.empty((len(slots), vocab), dtype=torch.bool, device=z.device)
-    for i, slot in enumerate(slots):  # no gathered copy of the int32 counts (a large temporary)
-        seen[i].copy_(output_counts[slot])  # int -> bool: count != 0 (the fastest form measured)
-        seen[i] |= prompt_mask[slot]
-    hits = nonzero_ids(seen.view(-1))  # flat positions in [len(slots), V]
-    del seen
-    if hits.numel() == 0:
+    all rows, its hits found by `nonzero_ids` (or, compiled, the C++ pass's one read of the two
+    rows), then the arithmetic over the hits only."""
+    member, ids = seen_ids(prompt_mask, output_counts, slots, z.shape[1], compiled)
+    if ids.numel() == 0:
         return None
-    member, ids = hits // vocab, hits % vocab
     slot_index = torch.as_tensor(slots, dtype=torch.int64, device=z.device)[member]
     row_index = torch.as_tensor(rows, dtype=torch.int64, device=z.device)[member]
     values = read_at(z, row_index, ids)
@@ -43,3 +40,24 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     values = torch.where(values > 0, values / r, values * r)
     values = values - frequency[slot_index] * counts
     return row_index, ids, values - presence[slot_index] * (counts > 0).to(torch.float32)
+
+
+def seen_ids(prompt_mask: torch.Tensor, output_counts: torch.Tensor, slots: list[int], vocab: int,
+             compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(member int64 [H], ids int64 [H]): every id < vocab that slots[member] has seen (prompt mask
+    or output count != 0), slot after slot, ids ascending."""
+    op = native.seen_op() if compiled and _native_layout(prompt_mask, output_counts) else None
+    if op is not None:
+        return op(prompt_mask[:, :vocab], output_counts[:, :vocab],
+                  torch.as_tensor(slots, dtype=torch.int64, device=prompt_mask.device))
+    seen = torch.empty((len(slots), vocab), dtype=torch.bool, device=prompt_mask.device)
+    for i, slot in enumerate(slots):  # no gathered copy of the int32 counts (a large temporary)
+        seen[i].copy_(output_counts[slot, :vocab])  # int -> bool: count != 0 (the fastest form measured)
+        seen[i] |= prompt_mask[slot, :vocab]
+    hits = nonzero_ids(seen.view(-1))  # flat positions in [len(slots), vocab]
+    return hits // vocab, hits % vocab
+
+
+def _native_layout(prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> bool:
+    return (prompt_mask.device.type == "cpu" and prompt_mask.stride(1) == 1 and output_counts.stride(1) == 1
+            and output_counts.dtype == torch.int32 and prompt_mask.dtype == torch.bool)

@@ -55,6 +55,7 @@ class StageRows:
     token_bitmask: int32 [R, W], the call's mask at these rows (global ids), or None.
     dense_buffer: a callable giving a reused float32 buffer of >= n elements (the bitmask's
         table lookup, `masking.remove_by_bitmask`), or None.
+    compiled: the sampler's compile choice (the penalties' seen ids by the C++ pass).
     """
 
     state: SamplerState
@@ -62,6 +63,7 @@ class StageRows:
     params: Sequence[SamplingParams]
     token_bitmask: torch.Tensor | None = None
     dense_buffer: Callable[[int], torch.Tensor] | None = None
+    compiled: bool = False  # the sampler compiles: its C++ passes too (`native`)
 
     @property
     def offset(self) -> int:
@@ -144,7 +146,8 @@ def penalty_cells(z: torch.Tensor, rows: StageRows) -> Cells | None:
         return None
     slot_list = rows.slots.tolist()
     return penalties.penalty_edits(z, penalised, [slot_list[r] for r in penalised], st.prompt_mask,
-                                   st.output_counts, st.repetition, st.frequency, st.presence)
+                                   st.output_counts, st.repetition, st.frequency, st.presence,
+                                   compiled=rows.compiled)
 
 
 def apply_penalties(z: torch.Tensor, rows: StageRows) -> None:

@@ -156,7 +156,8 @@ class TorchStep:
         rows = list(plan.rows)
         names = plan.edits() if Route.DIRECT in allowed else ()
         probe = Probe(routes.StepFacts(layout), z)
-        probe.undo = stages.edit_cells(z, stages.StageRows(self.state, index, rows), names) if names else []
+        probe.undo = (stages.edit_cells(z, stages.StageRows(self.state, index, rows, compiled=self.compiled), names)
+                      if names else [])
         z_max, probe.block_max, probe.argmax = _maxima(z, all_greedy=not plan.sampled_rows)
         probe.z_max, probe.valid = z_max, z_max > NEG_INF  # NaN: not valid
         if Route.PLAIN_GREEDY in allowed and bool(probe.valid.all()):  # all plain greedy needs: one read back
@@ -274,7 +275,8 @@ class TorchStep:
         edits = plan.edits(token_bitmask is not None)
         if edits:  # the block's bits are applied while its copy is in cache
             mask = None if token_bitmask is None else token_bitmask[start:stop]
-            stages.apply_edits(z, stages.StageRows(self.state, slots, block_params, mask, self._dense_buffer), edits)
+            stages.apply_edits(z, stages.StageRows(self.state, slots, block_params, mask, self._dense_buffer,
+                                                   self.compiled), edits)
         z_max = z.amax(dim=-1)
         if bool(torch.isposinf(z_max).any()):
             masking.saturate_posinf(z)
