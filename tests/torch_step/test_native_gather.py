@@ -174,3 +174,53 @@ def test_a_compiling_sampler_penalises_with_it_as_an_eager_one(monkeypatch):
             assert calls, "the compiling sampler did not use the C++ pass"
             calls.clear()
     assert tokens[0] == tokens[1] and not calls
+
+
+@pytest.mark.parametrize("start, width", [(0, 151936), (0, 1000), (7, 300), (64, 96), (33, 5), (0, 40)])
+def test_a_bitmask_removes_what_the_torch_lookup_removes(start, width):
+    from tokensampler.backends.torch_step import masking
+
+    gen = torch.Generator().manual_seed(start * 7 + width)
+    rows, words = 5, -(-(start + width) // 32)
+    bits = torch.randint(-(2**31), 2**31 - 1, (rows, words), generator=gen, dtype=torch.int64).to(torch.int32)
+    bits[1] = -1  # every id allowed
+    bits[2] = 0  # none
+    bits[3, ::2] = -1  # whole words of ones and of random bits
+    short = bits[:, :max(words - 2, 0)]  # ids past the mask's words are removed
+    z = torch.randn(rows, width, generator=gen)
+    z[0, :4] = torch.tensor([math.inf, -math.inf, -0.0, 0.0])[:min(4, width)]
+    for mask in (bits, short, bits[:, :max(words - 1, 1)].contiguous()):
+        want = masking.remove_by_bitmask(z.clone(), mask, start, compiled=False)
+        got = masking.remove_by_bitmask(z.clone(), mask, start, compiled=True)
+        assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+def test_a_compiling_sampler_applies_a_bitmask_with_it_as_an_eager_one(monkeypatch):
+    calls = []
+    real = native.bitmask_op
+
+    def counting():
+        op = real()
+        return None if op is None else (lambda *args: calls.append(1) or op(*args))
+
+    monkeypatch.setattr(native, "bitmask_op", counting)
+    vocab = 151936
+    logits = make_logits(4, vocab, flat=False, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(9)
+    allowed = torch.rand(4, vocab, generator=gen) < 0.03
+    padded = torch.zeros(4, -(-vocab // 32) * 32, dtype=torch.bool)
+    padded[:, :vocab] = allowed
+    weights = 2 ** torch.arange(32, dtype=torch.int64)
+    bitmask = (padded.view(4, -1, 32).to(torch.int64) * weights).sum(-1)
+    bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
+    tokens = []
+    for compile in (True, False):
+        sampler = Sampler(vocab, max_slots=4, compile=compile)
+        for slot in range(4):
+            sampler.add_request(slot, SamplingParams(temperature=0.9, top_p=0.9, seed=slot), [1])
+        tokens.append([sampler.sample(logits, token_bitmask=bitmask).token_ids.tolist() for _ in range(4)])
+        if compile:
+            assert calls, "the compiling sampler did not use the C++ pass"
+            calls.clear()
+    assert tokens[0] == tokens[1] and not calls
+    assert all(bool(allowed[row, token]) for step in tokens[0] for row, token in enumerate(step))

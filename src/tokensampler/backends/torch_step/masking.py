@@ -11,6 +11,7 @@ import torch
 
 from ...core.constants import NEG_INF
 from ...core.order import saturate_posinf as _saturate
+from . import native
 from .host import numpy_module
 
 
@@ -98,7 +99,7 @@ def _min_table():
 
 
 def remove_by_bitmask(z: torch.Tensor, bitmask: torch.Tensor, start: int = 0,
-                      buffer: Callable[[int], torch.Tensor] | None = None) -> torch.Tensor:
+                      buffer: Callable[[int], torch.Tensor] | None = None, compiled: bool = False) -> torch.Tensor:
     """Set every id of `z` (float32 [B, width], column c = id start + c, no NaN) whose bit in
     `bitmask` (int32 [B, W]) is 0 to -inf, in place; ids beyond the mask's 32 W bits too.
 
@@ -107,8 +108,13 @@ def remove_by_bitmask(z: torch.Tensor, bitmask: torch.Tensor, start: int = 0,
     of the row's size (torch's masked_fill with one measured ~3x slower on the bench's rows). With
     `buffer` (a callable giving a reused float32 buffer of >= n elements) the block's rows are
     looked up at once by torch (`index_select`, parallel); without, row by row by numpy into one
-    row's buffer. Rows whose bits are all ones are skipped. Elsewhere: `masked_fill`."""
+    row's buffer. Rows whose bits are all ones are skipped. Elsewhere: `masked_fill`. `compiled`
+    (the sampler compiles): the C++ pass (`native.bitmask_op`) where it is built, the same values."""
     width = z.shape[1]
+    op = native.bitmask_op() if compiled and _native_layout(z, bitmask) else None
+    if op is not None:
+        op(z, bitmask, start)
+        return z
     if (z.device.type != "cpu" or sys.byteorder != "little" or z.dtype != torch.float32 or z.stride(1) != 1
             or numpy_module() is None):
         return z.masked_fill_(bitmask_removed(bitmask, start, width).to(z.device), NEG_INF)
@@ -140,6 +146,12 @@ def remove_by_bitmask(z: torch.Tensor, bitmask: torch.Tensor, start: int = 0,
         np.take(table, row_bytes[r], axis=0, out=spread)
         np.minimum(rows[r], row_bits, out=rows[r])
     return z
+
+
+def _native_layout(z: torch.Tensor, bitmask: torch.Tensor) -> bool:
+    return (z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 2 and z.stride(1) == 1
+            and bitmask.device.type == "cpu" and bitmask.dtype == torch.int32 and bitmask.dim() == 2
+            and bitmask.stride(1) == 1 and bitmask.shape[0] == z.shape[0])
 
 
 def _constrained_rows(packed, lead: int, width: int):

@@ -8,7 +8,8 @@ time (AVX2) and writes only the hits, on torch's own thread pool (one region). I
 tensors, bit for bit: the same float32 compare (NaN false) and the same float32 division. Likewise
 `penalties.penalty_edits` lists the ids each penalised slot has seen (prompt mask or output count):
 in torch, a bool copy of every slot's counts, an or, and a compaction; in C++, one pass over the two
-rows per slot.
+rows per slot. And `masking.remove_by_bitmask` applies a token bitmask: in torch, a table lookup of
+every byte into a buffer and a minimum; in C++, each word read once, words of ones skipped.
 
 It is built the first time a compiling sampler needs it (`Sampler(compile=True)`, the default where a
 C++ compiler is found: the same requirement as inductor's), with the compiler inductor uses (`CXX`,
@@ -100,6 +101,12 @@ def seen_op() -> Callable | None:
     return None if ops is None else ops.seen_ids
 
 
+def bitmask_op() -> Callable | None:
+    """`torch.ops.tokensampler_native.remove_by_bitmask` (a token bitmask applied in place), as `gather_op`."""
+    ops = _library()
+    return None if ops is None else ops.remove_by_bitmask
+
+
 def _library() -> Any:
     if "ops" in _STATE:
         return _STATE["ops"]
@@ -113,7 +120,7 @@ def _load() -> Any:
     if platform.system() != "Linux":
         return None  # built and tested on Linux only
     try:
-        if not hasattr(getattr(torch.ops, LIBRARY), "seen_ids"):
+        if not hasattr(getattr(torch.ops, LIBRARY), "remove_by_bitmask"):
             target = library_path()
             if not target.exists():
                 build(target)

@@ -136,14 +136,63 @@ std::tuple<at::Tensor, at::Tensor> seen_ids(const at::Tensor& prompt_mask, const
   return {member, ids};
 }
 
+// remove_by_bitmask(z, bitmask, start): in place, every column c of z (float32 [R, W], contiguous
+// rows, id start + c, no NaN) whose bit in bitmask (int32 [R, words], xgrammar's layout: bit j of
+// word w allows id 32 w + j; ids past the words are removed) is 0 becomes -inf (+inf included);
+// every other value is left as it is. A word of ones is skipped, a word of zeros is 32 stores, any
+// other is 4 blends of 8 lanes (AVX2).
+void remove_by_bitmask(at::Tensor z, const at::Tensor& bitmask, int64_t start) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
+              "z: a CPU float32 [R, W] tensor with contiguous rows");
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.stride(1) == 1
+              && bitmask.size(0) == z.size(0) && bitmask.device().is_cpu(), "bitmask: int32 [R, words]");
+  TORCH_CHECK(start >= 0, "start >= 0");
+  const int64_t rows = z.size(0), width = z.size(1), words = bitmask.size(1);
+  const int64_t zstride = z.stride(0), mstride = bitmask.stride(0);
+  float* zp = z.data_ptr<float>();
+  const uint32_t* mp = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>());
+  const float removed = -std::numeric_limits<float>::infinity();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* row = zp + r * zstride;
+      const uint32_t* bits = mp + r * mstride;
+      auto word_of = [&](int64_t id) -> uint32_t { return (id >> 5) < words ? bits[id >> 5] : 0u; };
+      int64_t c = 0;
+      for (; c < width && ((start + c) & 31) != 0; ++c) {  // up to the first whole word
+        if (!((word_of(start + c) >> ((start + c) & 31)) & 1u)) row[c] = removed;
+      }
+#if defined(__AVX2__)
+      const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+      const __m256 minus_inf = _mm256_set1_ps(removed);
+      for (; c + 32 <= width; c += 32) {
+        const uint32_t word = word_of(start + c);
+        if (word == 0xFFFFFFFFu) continue;
+        for (int q = 0; q < 4; ++q) {
+          const __m256i byte = _mm256_set1_epi32((int)((word >> (8 * q)) & 0xFFu));
+          const __m256 drop = _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bits),
+                                                                     _mm256_setzero_si256()));
+          float* at = row + c + 8 * q;
+          _mm256_storeu_ps(at, _mm256_blendv_ps(_mm256_loadu_ps(at), minus_inf, drop));
+        }
+      }
+#endif
+      for (; c < width; ++c) {
+        if (!((word_of(start + c) >> ((start + c) & 31)) & 1u)) row[c] = removed;
+      }
+    }
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tokensampler_native, m) {
   m.def("gather_at_or_above(Tensor z, Tensor lower, Tensor? scale, int width) -> (Tensor, Tensor, Tensor)");
   m.def("seen_ids(Tensor prompt_mask, Tensor output_counts, Tensor slots) -> (Tensor, Tensor)");
+  m.def("remove_by_bitmask(Tensor(a!) z, Tensor bitmask, int start) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokensampler_native, CPU, m) {
   m.impl("gather_at_or_above", &gather_at_or_above);
   m.impl("seen_ids", &seen_ids);
+  m.impl("remove_by_bitmask", &remove_by_bitmask);
 }

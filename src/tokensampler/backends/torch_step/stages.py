@@ -55,7 +55,7 @@ class StageRows:
     token_bitmask: int32 [R, W], the call's mask at these rows (global ids), or None.
     dense_buffer: a callable giving a reused float32 buffer of >= n elements (the bitmask's
         table lookup, `masking.remove_by_bitmask`), or None.
-    compiled: the sampler's compile choice (the penalties' seen ids by the C++ pass).
+    compiled: the sampler's compile choice (the penalties' seen ids and the bitmask by the C++ passes).
     """
 
     state: SamplerState
@@ -95,7 +95,8 @@ def remove_by_bitmask(z: torch.Tensor, rows: StageRows) -> None:
     """The call's `token_bitmask`: every id whose bit is 0 to -inf (bit j of word w is id 32 w + j,
     read from z's first global id on)."""
     if rows.token_bitmask is not None:
-        masking.remove_by_bitmask(z, rows.token_bitmask, rows.offset, buffer=rows.dense_buffer)
+        masking.remove_by_bitmask(z, rows.token_bitmask, rows.offset, buffer=rows.dense_buffer,
+                                  compiled=rows.compiled)
 
 
 def bad_word_cells(z: torch.Tensor, rows: StageRows) -> Cells | None:
