@@ -239,3 +239,33 @@ def test_single_threaded_restores_the_count_and_caller_threads_gives_it_back_ins
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_lane_with_a_long_container_is_built_by_itself_and_not_kept():
+    batch_params._LANE_CACHE.clear()
+    long_allowed = list(range(batch_params._KEY_ENTRIES + 1))
+    lanes = [dict(temperature=0.7, allowed_token_ids=long_allowed, seed=s) for s in range(3)]
+    got = format_requests(burst(lanes), 3, vocab_size=1000)
+    assert [p.allowed_token_ids for p in got] == [tuple(long_allowed)] * 3 and [p.seed for p in got] == [0, 1, 2]
+    assert not batch_params._LANE_CACHE
+    format_requests(burst([dict(temperature=0.7, allowed_token_ids=long_allowed[:-1], seed=1)]), 1, vocab_size=1000)
+    assert len(batch_params._LANE_CACHE) == 1
+
+
+def test_an_engine_that_forbids_thread_changes_keeps_its_count(monkeypatch):
+    """vLLM's CPU worker replaces `torch.set_num_threads` by a no-op that warns: admissions must not call it."""
+    from tokensampler.core.threads import caller_threads, single_threaded, thread_count_owned
+    from tokensampler.engine.generator import SamplingGenerator
+
+    calls = []
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+    assert not thread_count_owned()
+    threads = torch.get_num_threads()
+    with single_threaded():
+        assert torch.get_num_threads() == threads
+        with caller_threads():
+            assert torch.get_num_threads() == threads
+    gen = SamplingGenerator(V, max_batch_size=2, device="cpu", warmup=False, compile=False)
+    gen.apply_prefill_state(sampling_params=burst([dict(seed=1), dict(seed=2)]),
+                            prompt_tokens=torch.tensor([[1, 2], [3, 4]]), empty_slots=[0, 1])
+    assert calls == [] and torch.get_num_threads() == threads

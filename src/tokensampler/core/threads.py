@@ -6,7 +6,9 @@ few fills of whole history rows. Each operation torch runs on its thread pool is
 that ends when its slowest thread does: when another process holds one of the cores, a region
 waits for the thread that lost its core, and a burst of small regions takes several times as long.
 `single_threaded` runs such a block on one thread; `caller_threads` gives a large fill inside it
-the caller's threads back (a few regions, each long enough to be worth them). Measured on the
+the caller's threads back (a few regions, each long enough to be worth them). Where the process
+has replaced `torch.set_num_threads` (vLLM's CPU worker makes it a no-op that warns: its threads
+are bound to cores), both leave the thread count alone (`thread_count_owned`). Measured on the
 2-core machine, 1,024 admissions (V = 32,000), quiet / beside one busy process: all on two threads
 31 / 45-146 ms; all on one 41 / 41-44 ms; one thread with the fills on two 31 / 49-56 ms.
 """
@@ -21,6 +23,12 @@ import torch
 _replaced: list[int] = []  # the thread counts `single_threaded` replaced, innermost last
 
 
+def thread_count_owned() -> bool:
+    """Whether this process lets a library change torch's thread count: `torch.set_num_threads` is
+    still torch's own (`torch._C.set_num_threads`), not an engine's replacement."""
+    return torch.set_num_threads is getattr(torch._C, "set_num_threads", None)
+
+
 def _set_threads(threads: int) -> None:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
@@ -28,7 +36,8 @@ def _set_threads(threads: int) -> None:
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
-    """Run the block with `torch.set_num_threads(1)`, then restore the caller's thread count.
+    """Run the block with `torch.set_num_threads(1)`, then restore the caller's thread count (where
+    `thread_count_owned()`; else the block runs on the threads it has).
 
     The setting is torch's, for the process: torch operations another Python thread runs meanwhile
     also use one thread. Example::
@@ -36,6 +45,9 @@ def single_threaded() -> Iterator[None]:
         with single_threaded():
             generator.apply_prefill_state(...)   # its row fills: `caller_threads`
     """
+    if not thread_count_owned():
+        yield
+        return
     threads = torch.get_num_threads()
     _replaced.append(threads)
     _set_threads(1)

@@ -229,17 +229,20 @@ def _columns(rows: list[dict[str, Any]]) -> BatchSamplingParams:
 # Lanes that differ only in their seed format and validate alike: a burst of admissions (the
 # same few parameter sets, a seed each) formats and validates each set once. The key holds every
 # value but the seed with its exact type (1, 1.0 and True are three keys), containers as tuples
-# of exact ints or strings; a lane the key cannot represent exactly is formatted by itself.
+# of exact ints or strings; a lane the key cannot represent exactly, or whose containers hold more
+# than `_KEY_ENTRIES` entries (the cache's memory stays small), is formatted by itself.
 _SEED = FIELDS.index("seed")
 _CONTAINER_FIELDS = SEQUENCE_FIELDS + NESTED_FIELDS + MAPPING_FIELDS
 _CONTAINERS = tuple(FIELDS.index(name) for name in _CONTAINER_FIELDS)
 _LANE_CACHE: dict[tuple, tuple[dict[str, Any], SamplingParams]] = {}
 _LANE_CACHE_SIZE = 4096
+_KEY_ENTRIES = 256  # a container with more entries (a long allowed list) is not kept as a key
 
 
 def _exact(values: Any, kinds: tuple[type, ...]) -> tuple | None:
-    """`values` (a list or tuple) as a tuple when every entry's type is exactly one of `kinds`."""
-    if type(values) not in (list, tuple) or not all(type(v) in kinds for v in values):
+    """`values` (a list or tuple of at most `_KEY_ENTRIES`) as a tuple when every entry's type is
+    exactly one of `kinds`."""
+    if type(values) not in (list, tuple) or len(values) > _KEY_ENTRIES or not all(type(v) in kinds for v in values):
         return None
     return tuple(values)
 
@@ -253,9 +256,11 @@ def _container_key(name: str, value: Any) -> Any:
         if words is None:
             return _NO_KEY
         exact = tuple(_exact(word, (int,)) for word in words)
-        return _NO_KEY if None in exact else ("nested", exact)
+        if None in exact or sum(map(len, exact)) > _KEY_ENTRIES:
+            return _NO_KEY
+        return "nested", exact
     if name in MAPPING_FIELDS:
-        if not isinstance(value, Mapping):
+        if not isinstance(value, Mapping) or len(value) > _KEY_ENTRIES:
             return _NO_KEY
         items = tuple((key, type(bias), bias) for key, bias in value.items())
         exact = all(type(key) is int and type(bias) in (int, float) for key, _, bias in items)

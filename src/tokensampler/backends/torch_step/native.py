@@ -1,5 +1,5 @@
-"""The step's C++ passes (`native_gather.cpp`): the candidate list, and the ids a penalised slot has
-seen, each gathered in one pass over the rows.
+"""The step's C++ passes (`native_gather.cpp`): the candidate list, the ids a penalised slot has
+seen and a token bitmask, each in one pass over the rows.
 
 `select.gather_candidates` lists every id at or above a row's floor. In torch operations that is a
 compare writing a bool mask of the rows' size, two compactions and the placement arithmetic: six
@@ -11,14 +11,14 @@ in torch, a bool copy of every slot's counts, an or, and a compaction; in C++, o
 rows per slot. And `masking.remove_by_bitmask` applies a token bitmask: in torch, a table lookup of
 every byte into a buffer and a minimum; in C++, each word read once, words of ones skipped.
 
-It is built the first time a compiling sampler needs it (`Sampler(compile=True)`, the default where a
-C++ compiler is found: the same requirement as inductor's), with the compiler inductor uses (`CXX`,
-else `c++`) against torch's headers and libraries, into inductor's cache directory in a folder keyed
+The library is built the first time a compiling sampler needs it (`Sampler(compile=True)`, the
+default: a C++ compiler is inductor's requirement too), with `CXX` (else `c++`, else `g++`) against
+torch's headers and libraries, into inductor's cache directory in a folder keyed
 by the torch version, the CPU capability and the source, then loaded with `torch.ops.load_library`;
 a later process only loads it (about 8 s to build on the 2-core machine, once). Where it cannot be
-built or loaded (no compiler, another platform, an error), `gather_op()` returns None, one
-`CompileFallbackWarning` says why, and the torch operations run instead (same tokens). An eager
-sampler (`compile=False`) never uses it.
+built or loaded (no compiler, not Linux, an error), `gather_op()`, `seen_op()` and `bitmask_op()`
+return None, one `CompileFallbackWarning` says why, and the torch operations run instead (same
+tokens). An eager sampler (`compile=False`) never uses it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any, Callable
 import torch
 
 from ...core.errors import CompileFallbackWarning
+from . import torch_private
 
 SOURCE = Path(__file__).with_name("native_gather.cpp")
 LIBRARY = "tokensampler_native"
@@ -51,7 +52,7 @@ def _flags() -> list[str]:
     from torch.utils import cpp_extension
 
     flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
-             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"]
+             f"-D_GLIBCXX_USE_CXX11_ABI={torch_private.cxx11_abi()}"]
     if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags.append("-mavx2")
     for path in cpp_extension.include_paths():

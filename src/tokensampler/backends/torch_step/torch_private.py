@@ -19,6 +19,8 @@ Tested with torch 2.13 (the range pyproject.toml declares). What is used, and wh
 - the text "GuardManager check failed" of the RuntimeError a loaded function raises when its
   guards refuse the inputs (`is_guard_refusal`).
 - `Tensor._base`: whether a tensor is a view (`is_view`; guards would read a view's base).
+- `torch._C._GLIBCXX_USE_CXX11_ABI`: the C++ ABI torch was built with, which the step's C++ passes
+  must be compiled with (`cxx11_abi`, `native.py`).
 
 A torch that behaves differently (an attribute missing, one of these raising) does not break a
 step: the compile cache runs the function it was preparing eagerly from then on (the same tokens)
@@ -153,3 +155,8 @@ def vec_isa_assumed_ok() -> Iterator[None]:
 def is_view(tensor: torch.Tensor) -> bool:
     """Whether `tensor` is a view of another (True where this torch cannot say: an alias is safe)."""
     return getattr(tensor, "_base", tensor) is not None
+
+
+def cxx11_abi() -> int:
+    """1 if torch's C++ library uses the C++11 ABI of libstdc++ (a library linked to it must too)."""
+    return int(torch._C._GLIBCXX_USE_CXX11_ABI)
