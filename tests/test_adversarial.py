@@ -92,7 +92,8 @@ def test_top_p_histogram_of_a_row_spanning_less_than_a_float32_step(kw):
            -8.228461016275398e-38, b, ninf, -a, a, b, a]
     logits = torch.tensor([row])
     params = SamplingParams(seed=5, top_p=0.5, **kw)
-    config = TorchStepConfig(direct_route=False, candidate_cap=2, dense_bracket_cap=1, dense_block=3, block_elements=7)
+    config = TorchStepConfig(direct_route=False, candidate_cap=2, dense_bracket_cap=1, dense_block=3, block_elements=7,
+                             flat_block_elements=7)
     sampler = Sampler(len(row), max_slots=1, step_config=config, backend="torch")
     sampler.add_request(0, params, [])
     want = reference_sample(logits, [ReferenceRequest(params, 5, 0)])

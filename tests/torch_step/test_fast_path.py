@@ -171,7 +171,7 @@ def _compare(case, eos=(), config=None):
 FAST = settings(max_examples=70, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DENSE = TorchStepConfig(candidate_cap=0, dense_block=40)  # every sampled row on the dense route, several blocks per row
 # the list holds only when it is tiny; the crossing bin holds many ids; one row per block
-TINY = TorchStepConfig(candidate_cap=3, histogram_bins=2, block_elements=1)
+TINY = TorchStepConfig(candidate_cap=3, histogram_bins=2, block_elements=1, flat_block_elements=1)
 
 
 @FAST
@@ -326,7 +326,8 @@ def test_no_logits_sized_allocation_in_a_step(direct):
     below one float32 buffer of the logits (the bench reports the same measure on the matrix)."""
     from tokensampler.tools.bench_memory import step_memory_report
     # the bench's proportions: blocks << logits
-    config = TorchStepConfig(block_elements=1 << 13, direct_route=direct, dense_block=1 << 12, column_chunk=1 << 11)
+    config = TorchStepConfig(block_elements=1 << 13, flat_block_elements=1 << 13, direct_route=direct,
+                             dense_block=1 << 12, column_chunk=1 << 11)
     batch, vocab = 32, 1 << 12  # 16 blocks of 2 rows
     from tokensampler.tools.workloads import make_logits
     logits = make_logits(batch, vocab, seed=2)

@@ -224,3 +224,26 @@ def test_a_compiling_sampler_applies_a_bitmask_with_it_as_an_eager_one(monkeypat
             calls.clear()
     assert tokens[0] == tokens[1] and not calls
     assert all(bool(allowed[row, token]) for step in tokens[0] for row, token in enumerate(step))
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 33, 1000, 151936])
+def test_the_dense_bracket_is_the_torch_extraction(vocab):
+    from tokensampler.backends.torch_step import dense
+
+    gen = torch.Generator().manual_seed(vocab + 5)
+    rows = 6
+    z = torch.randn(rows, vocab, generator=gen) * 3
+    z[0, : min(vocab, 5)] = -math.inf
+    z[1, : min(vocab, 3)] = math.nan
+    if vocab > 8:
+        z[2, :8] = 1.0  # ties at the low end
+    low = torch.quantile(z.nan_to_num(nan=-1e30), 0.3, dim=1).contiguous()
+    high = torch.quantile(z.nan_to_num(nan=-1e30), 0.7, dim=1).contiguous()
+    low[2], high[2] = 1.0, 2.0
+    low[3] = -math.inf  # the whole row below high, -inf excluded
+    low[4] = high[4] = math.inf  # a row without top-p: nothing
+    for cap in (0, 3, 50, 1 << 20):
+        want = dense._extract(z, low, high, cap, compiled=False)
+        got = dense._extract(z, low, high, cap, compiled=True)
+        assert torch.equal(got[1], want[1]), cap
+        assert torch.equal(got[0].view(torch.int32), want[0].view(torch.int32)), cap

@@ -177,7 +177,8 @@ def random_step_config(r: random.Random, batch: int) -> TorchStepConfig:
                          ("top_p_head_chunks", [1, 3, 256]), ("column_chunk", [1, 7, 1 << 16]),
                          ("histogram_bins", [1, 2, 4096]), ("dense_block", [1, 3, 1 << 18]),
                          ("dense_bracket_cap", [0, 1, 16384]), ("dense_sample_stride", [1, 7, 64]),
-                         ("dense_threshold_offsets", [(0,), (-1, 1), (-64, -16, 0, 16, 64)])):
+                         ("dense_threshold_offsets", [(0,), (-1, 1), (-64, -16, 0, 16, 64)]),
+                         ("flat_block_elements", tiny_blocks)):
         if r.random() < 0.5:
             kw[name] = pick(r, values)
     thresholds = len(kw.get("dense_threshold_offsets", (-64, -16, 0, 16, 64))) + 2

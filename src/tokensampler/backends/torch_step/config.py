@@ -23,6 +23,10 @@ class TorchStepConfig:
     masked_block_elements: the same for batches with a token bitmask (12 rows at V = 152k, as
       unmasked: the block is the step's held workspace, 0.38 fp32 logits buffers at B = 32; 17-row
       blocks, two at B = 32, measured ~9% faster and held 0.53).
+    flat_block_elements: the same for calls the probe found too flat for a candidate list (their
+      rows take the dense route, whose p buffer is as large as the block: 7 rows at V = 152k, the
+      block and the buffer 0.44 fp32 logits buffers at B = 32; 12-row blocks measured ~15% faster
+      and held 0.75).
     candidate_cap: the longest candidate list per row before a row takes the dense route (0: every
       sampled row takes it).
     top_p_head: the sorted prefix of a candidate list searched first for the top-p crossing.
@@ -40,6 +44,7 @@ class TorchStepConfig:
     direct_route: bool = True
     block_elements: int = 7 << 18  # 12 rows at V = 152k
     masked_block_elements: int = 7 << 18  # 12 rows at V = 152k
+    flat_block_elements: int = 17 << 16  # 7 rows at V = 152k
     candidate_cap: int = 16384
     top_p_head: int = 64
     top_p_head_chunks: int = 256
@@ -53,8 +58,8 @@ class TorchStepConfig:
 
     def __post_init__(self) -> None:
         check_bool("TorchStepConfig.direct_route", self.direct_route)
-        for name in ("block_elements", "masked_block_elements", "top_p_head", "top_p_head_chunks", "column_chunk",
-                     "histogram_bins", "dense_block", "dense_sample_stride"):
+        for name in ("block_elements", "masked_block_elements", "flat_block_elements", "top_p_head",
+                     "top_p_head_chunks", "column_chunk", "histogram_bins", "dense_block", "dense_sample_stride"):
             check_int(f"TorchStepConfig.{name}", getattr(self, name), 1)
         for name in ("candidate_cap", "dense_bracket_cap"):
             check_int(f"TorchStepConfig.{name}", getattr(self, name), 0)

@@ -35,7 +35,7 @@ import torch
 
 from ...core import rng
 from ...core.constants import NEG_INF, POS_INF
-from . import compile_cache, gumbel, select
+from . import compile_cache, gumbel, native, select
 from .config import DEFAULT, TorchStepConfig
 from .host import numpy_module
 from .indexing import column_chunks, nonzero_ids
@@ -184,10 +184,18 @@ def _scan(values: torch.Tensor, z_max: torch.Tensor, above: torch.Tensor, above_
     return tau_late, sure
 
 
-def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int
+def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int, compiled: bool = False
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The values low <= z < high, z > -inf, of each row with at most `cap` of them, sorted
-    descending into [R, W] (-inf padding); and the count per row (all of them, also over cap)."""
+    descending into [R, W] (-inf padding); and the count per row (all of them, also over cap).
+    compiled: the C++ pass (`native.range_op`) where it is built (the same tensors)."""
+    op = native.range_op() if compiled and _native_layout(z, low, high) else None
+    if op is not None:
+        values, count = op(z, low, high, cap)
+        listed = count <= cap
+        width = int(torch.where(listed, count, 0).max()) if z.shape[0] else 0
+        values = values[:, :max(width, 1)].masked_fill(~listed[:, None], NEG_INF)
+        return sorted_descending(values.contiguous()), count
     mask = z >= low[:, None]
     mask &= z < high[:, None]
     if bool(torch.isneginf(low).any()):
@@ -206,6 +214,11 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
     values[rows, slot] = z[rows, cols]
     return sorted_descending(values), count
+
+
+def _native_layout(z: torch.Tensor, *bounds: torch.Tensor) -> bool:
+    return (z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 2 and z.stride(1) == 1
+            and all(b.dtype == torch.float32 and b.is_contiguous() for b in bounds))
 
 
 def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau: torch.Tensor,
@@ -239,7 +252,7 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
     rows_mask = top_p < 1.0
     floor = torch.where(rows_mask, thresholds[:, config.dense_proxy_column], tau)
     masses, odds = threshold_pass(p, z, thresholds, key32, floor, config, compiled)
-    tau = top_p_from_masses(p, z, z_max, tau, top_p, thresholds, masses, config)
+    tau = top_p_from_masses(p, z, z_max, tau, top_p, thresholds, masses, config, compiled)
     invalid = floor < tau  # S_lo must come from kept ids only
     if bool(invalid.any()):
         rows = invalid.nonzero().squeeze(-1)
@@ -250,14 +263,14 @@ def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau:
 
 def top_p_from_masses(p: torch.Tensor, z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor,
                       top_p: torch.Tensor, thresholds: torch.Tensor, masses: torch.Tensor,
-                      config: TorchStepConfig = DEFAULT) -> torch.Tensor:
+                      config: TorchStepConfig = DEFAULT, compiled: bool = False) -> torch.Tensor:
     """tau (float32 [R]) raised to the top-p threshold on the rows with top_p < 1: exactly the
     definition's kept set. thresholds, masses: `candidate_thresholds` and `threshold_pass`."""
     rows_mask = top_p < 1.0
     up, low, bound_low, bound_high = _bracket(masses, top_p, z.shape[1])
     upper = torch.where(rows_mask, thresholds.gather(-1, up[:, None]).squeeze(-1), POS_INF)
     lower = torch.where(rows_mask, thresholds.gather(-1, low[:, None]).squeeze(-1), POS_INF)
-    values, count = _extract(z, lower, upper, config.dense_bracket_cap)
+    values, count = _extract(z, lower, upper, config.dense_bracket_cap, compiled)
     histogram = rows_mask & (count > config.dense_bracket_cap)
     scanned = rows_mask & ~histogram
     above = masses.gather(-1, up[:, None]).squeeze(-1)

@@ -1,11 +1,13 @@
-"""The step's C++ passes (`native_gather.cpp`): the candidate list, the ids a penalised slot has
-seen and a token bitmask, each in one pass over the rows.
+"""The step's C++ passes (`native_gather.cpp`): the candidate list, the dense route's top-p bracket,
+the ids a penalised slot has seen and a token bitmask, each in one pass over the rows.
 
 `select.gather_candidates` lists every id at or above a row's floor. In torch operations that is a
 compare writing a bool mask of the rows' size, two compactions and the placement arithmetic: six
 parallel regions and a full extra write. The C++ pass reads each row once, compares 32 values at a
 time (AVX2) and writes only the hits, on torch's own thread pool (one region). Its result is the same
-tensors, bit for bit: the same float32 compare (NaN false) and the same float32 division. Likewise
+tensors, bit for bit: the same float32 compare (NaN false) and the same float32 division. The dense
+route's bracket (`dense._extract`: the values between two thresholds) is the same kind of pass.
+Likewise
 `penalties.penalty_edits` lists the ids each penalised slot has seen (prompt mask or output count):
 in torch, a bool copy of every slot's counts, an or, and a compaction; in C++, one pass over the two
 rows per slot. And `masking.remove_by_bitmask` applies a token bitmask: in torch, a table lookup of
@@ -16,7 +18,7 @@ default: a C++ compiler is inductor's requirement too), with `CXX` (else `c++`, 
 torch's headers and libraries, into inductor's cache directory in a folder keyed
 by the torch version, the CPU capability and the source, then loaded with `torch.ops.load_library`;
 a later process only loads it (about 8 s to build on the 2-core machine, once). Where it cannot be
-built or loaded (no compiler, not Linux, an error), `gather_op()`, `seen_op()` and `bitmask_op()`
+built or loaded (no compiler, not Linux, an error), `gather_op()`, `range_op()`, `seen_op()` and `bitmask_op()`
 return None, one `CompileFallbackWarning` says why, and the torch operations run instead (same
 tokens). An eager sampler (`compile=False`) never uses it.
 """
@@ -94,6 +96,12 @@ def gather_op() -> Callable | None:
     cannot be (then one `CompileFallbackWarning`, and the caller runs torch's operations)."""
     ops = _library()
     return None if ops is None else ops.gather_at_or_above
+
+
+def range_op() -> Callable | None:
+    """`torch.ops.tokensampler_native.gather_in_range` (the dense route's top-p bracket), as `gather_op`."""
+    ops = _library()
+    return None if ops is None else ops.gather_in_range
 
 
 def seen_op() -> Callable | None:

@@ -78,6 +78,66 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gather_at_or_above(
   return {values, ids, count};
 }
 
+// gather_in_range(z, low, high, width): for each row r of z (float32 [R, V], contiguous rows) the
+// values with low[r] <= z < high[r] and z > -inf, in id order, in the first min(n, width) columns of
+// values (float32 [R, max(width, 1)], -inf after); count[r] = n, every hit counted even past width.
+// NaN compares false. The dense route's top-p bracket (`dense._extract`).
+std::tuple<at::Tensor, at::Tensor> gather_in_range(const at::Tensor& z, const at::Tensor& low, const at::Tensor& high,
+                                                   int64_t width) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
+              "z: a CPU float32 [R, V] tensor with contiguous rows");
+  const int64_t rows = z.size(0), vocab = z.size(1), stride = z.stride(0);
+  for (const at::Tensor* bound : {&low, &high}) {
+    TORCH_CHECK(bound->dim() == 1 && bound->size(0) == rows && bound->scalar_type() == at::kFloat
+                && bound->is_contiguous(), "low, high: float32 [R]");
+  }
+  const int64_t w = std::max<int64_t>(width, 1);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  at::Tensor values = at::full({rows, w}, neg_inf, z.options());
+  at::Tensor count = at::empty({rows}, z.options().dtype(at::kLong));
+  const float* zp = z.data_ptr<float>();
+  const float* lo = low.data_ptr<float>();
+  const float* hi = high.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* cp = count.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* row = zp + r * stride;
+      const float a = lo[r], b = hi[r];
+      float* vout = vp + r * w;
+      int64_t n = 0, i = 0;
+#if defined(__AVX2__)
+      const __m256 av = _mm256_set1_ps(a), bv = _mm256_set1_ps(b), ninf = _mm256_set1_ps(neg_inf);
+      auto in_range = [&](const float* at) {
+        const __m256 x = _mm256_loadu_ps(at);
+        const __m256 ok = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(x, av, _CMP_GE_OQ), _mm256_cmp_ps(x, bv, _CMP_LT_OQ)),
+                                        _mm256_cmp_ps(x, ninf, _CMP_GT_OQ));
+        return (uint32_t)_mm256_movemask_ps(ok);
+      };
+      for (; i + 32 <= vocab; i += 32) {
+        uint32_t m = in_range(row + i) | (in_range(row + i + 8) << 8) | (in_range(row + i + 16) << 16)
+            | (in_range(row + i + 24) << 24);
+        while (m) {
+          const int k = __builtin_ctz(m);
+          m &= m - 1;
+          if (n < w) vout[n] = row[i + k];
+          ++n;
+        }
+      }
+#endif
+      for (; i < vocab; ++i) {
+        const float x = row[i];
+        if (x >= a && x < b && x > neg_inf) {
+          if (n < w) vout[n] = x;
+          ++n;
+        }
+      }
+      cp[r] = n;
+    }
+  });
+  return {values, count};
+}
+
 // Append to `out` the ids i < n with prompt[i] != 0 or counts[i] != 0, ascending; with AVX2, 32 ids
 // at a time (one byte compare, four int32 compares), looking only into blocks that hold one.
 inline void append_seen(const uint8_t* prompt, const int32_t* counts, int64_t n, std::vector<int64_t>& out) {
@@ -187,12 +247,14 @@ void remove_by_bitmask(at::Tensor z, const at::Tensor& bitmask, int64_t start) {
 
 TORCH_LIBRARY(tokensampler_native, m) {
   m.def("gather_at_or_above(Tensor z, Tensor lower, Tensor? scale, int width) -> (Tensor, Tensor, Tensor)");
+  m.def("gather_in_range(Tensor z, Tensor low, Tensor high, int width) -> (Tensor, Tensor)");
   m.def("seen_ids(Tensor prompt_mask, Tensor output_counts, Tensor slots) -> (Tensor, Tensor)");
   m.def("remove_by_bitmask(Tensor(a!) z, Tensor bitmask, int start) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokensampler_native, CPU, m) {
   m.impl("gather_at_or_above", &gather_at_or_above);
+  m.impl("gather_in_range", &gather_in_range);
   m.impl("seen_ids", &seen_ids);
   m.impl("remove_by_bitmask", &remove_by_bitmask);
 }

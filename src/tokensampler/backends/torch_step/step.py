@@ -140,7 +140,9 @@ class TorchStep:
             return outcome
         if route is Route.PLAIN_GREEDY:
             return SamplerOutput(probe.greedy_tokens(), probe.valid, None)
-        return self._block_route(logits, index, plan, token_bitmask)
+        flat = probe.facts.groups is not None and any(routes.choose_thresholds(group) is Thresholds.DENSE
+                                                      for group in probe.facts.groups)
+        return self._block_route(logits, index, plan, token_bitmask, flat)
 
     def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
         """The facts `routes.choose_route` needs, measured once on the caller's logits where a route
@@ -250,14 +252,16 @@ class TorchStep:
         return self._z_workspace[:num_rows]
 
     def _block_route(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                     token_bitmask: torch.Tensor | None) -> SamplerOutput:
+                     token_bitmask: torch.Tensor | None, flat: bool = False) -> SamplerOutput:
         """`Route.BLOCK`: one block of consecutive rows at a time through the workspace (blocks of
-        `masked_block_elements` logits in a masked call, else `block_elements`)."""
+        `masked_block_elements` logits in a masked call, `flat_block_elements` in a call the probe
+        found too flat for a candidate list, else `block_elements`)."""
         batch, device = logits.shape[0], logits.device
         result = LogprobsOutput.empty((batch,), plan.logprobs_width, device) if plan.wants_logprobs else None
         out = SamplerOutput(torch.zeros(batch, dtype=torch.int64, device=device),
                             torch.ones(batch, dtype=torch.bool, device=device), result)
-        elements = self.config.block_elements if token_bitmask is None else self.config.masked_block_elements
+        elements = (self.config.masked_block_elements if token_bitmask is not None
+                    else self.config.flat_block_elements if flat else self.config.block_elements)
         size = max(1, elements // self.vocab_size)
         rows = list(plan.rows)
         for start in range(0, batch, size):
