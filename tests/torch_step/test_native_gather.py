@@ -235,12 +235,15 @@ def test_the_dense_bracket_is_the_torch_extraction(vocab):
     z = torch.randn(rows, vocab, generator=gen) * 3
     z[0, : min(vocab, 5)] = -math.inf
     z[1, : min(vocab, 3)] = math.nan
-    if vocab > 8:
-        z[2, :8] = 1.0  # ties at the low end
+    if vocab > 12:
+        z[2, :8] = 1.0  # ties at the low end (kept)
+        z[2, 8:12] = 2.0  # and at the high end (not)
     low = torch.quantile(z.nan_to_num(nan=-1e30), 0.3, dim=1).contiguous()
     high = torch.quantile(z.nan_to_num(nan=-1e30), 0.7, dim=1).contiguous()
     low[2], high[2] = 1.0, 2.0
     low[3] = -math.inf  # the whole row below high, -inf excluded
+    z[3, :2] = -math.inf
+    z[3, -1] = -math.inf  # in the last 32-id block and in the scalar tail
     low[4] = high[4] = math.inf  # a row without top-p: nothing
     for cap in (0, 3, 50, 1 << 20):
         want = dense._extract(z, low, high, cap, compiled=False)
