@@ -189,7 +189,8 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int, c
     """The values low <= z < high, z > -inf, of each row with at most `cap` of them, sorted
     descending into [R, W] (-inf padding); and the count per row (all of them, also over cap).
     compiled: the C++ pass (`native.range_op`) where it is built (the same tensors)."""
-    op = native.range_op() if compiled and _native_layout(z, low, high) else None
+    takes = native.rows_layout(z, torch.float32) and all(native.vector_layout(b, torch.float32) for b in (low, high))
+    op = native.range_op() if compiled and takes else None
     if op is not None:
         values, count = op(z, low, high, cap)
         listed = count <= cap
@@ -214,11 +215,6 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int, c
     values = torch.full((z.shape[0], max(width, 1)), NEG_INF, dtype=z.dtype, device=z.device)
     values[rows, slot] = z[rows, cols]
     return sorted_descending(values), count
-
-
-def _native_layout(z: torch.Tensor, *bounds: torch.Tensor) -> bool:
-    return (z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 2 and z.stride(1) == 1
-            and all(b.dtype == torch.float32 and b.is_contiguous() for b in bounds))
 
 
 def sample_dense(z: torch.Tensor, z_max: torch.Tensor, lower: torch.Tensor, tau: torch.Tensor,

@@ -149,9 +149,8 @@ def remove_by_bitmask(z: torch.Tensor, bitmask: torch.Tensor, start: int = 0,
 
 
 def _native_layout(z: torch.Tensor, bitmask: torch.Tensor) -> bool:
-    return (z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 2 and z.stride(1) == 1
-            and bitmask.device.type == "cpu" and bitmask.dtype == torch.int32 and bitmask.dim() == 2
-            and bitmask.stride(1) == 1 and bitmask.shape[0] == z.shape[0])
+    return (native.rows_layout(z, torch.float32) and native.rows_layout(bitmask, torch.int32)
+            and bitmask.shape[0] == z.shape[0])
 
 
 def _constrained_rows(packed, lead: int, width: int):

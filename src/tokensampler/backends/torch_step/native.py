@@ -91,6 +91,16 @@ def build(target: Path) -> None:
         os.replace(built, target)
 
 
+def rows_layout(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A CPU tensor of `dtype` whose rows are contiguous (2-D, last stride 1): what the passes read."""
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.dim() == 2 and tensor.stride(1) == 1
+
+
+def vector_layout(tensor: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A contiguous 1-D CPU tensor of `dtype` (a per-row value the passes read)."""
+    return tensor.device.type == "cpu" and tensor.dtype == dtype and tensor.dim() == 1 and tensor.is_contiguous()
+
+
 def gather_op() -> Callable | None:
     """`torch.ops.tokensampler_native.gather_at_or_above`, built or loaded on first use; None where it
     cannot be (then one `CompileFallbackWarning`, and the caller runs torch's operations)."""

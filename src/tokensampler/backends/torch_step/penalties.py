@@ -46,7 +46,8 @@ def seen_ids(prompt_mask: torch.Tensor, output_counts: torch.Tensor, slots: list
              compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(member int64 [H], ids int64 [H]): every id < vocab that slots[member] has seen (prompt mask
     or output count != 0), slot after slot, ids ascending."""
-    op = native.seen_op() if compiled and _native_layout(prompt_mask, output_counts) else None
+    takes = native.rows_layout(prompt_mask, torch.bool) and native.rows_layout(output_counts, torch.int32)
+    op = native.seen_op() if compiled and takes else None
     if op is not None:
         return op(prompt_mask[:, :vocab], output_counts[:, :vocab],
                   torch.as_tensor(slots, dtype=torch.int64, device=prompt_mask.device))
@@ -57,7 +58,3 @@ def seen_ids(prompt_mask: torch.Tensor, output_counts: torch.Tensor, slots: list
     hits = nonzero_ids(seen.view(-1))  # flat positions in [len(slots), vocab]
     return hits // vocab, hits % vocab
 
-
-def _native_layout(prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> bool:
-    return (prompt_mask.device.type == "cpu" and prompt_mask.stride(1) == 1 and output_counts.stride(1) == 1
-            and output_counts.dtype == torch.int32 and prompt_mask.dtype == torch.bool)

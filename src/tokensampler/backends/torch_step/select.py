@@ -130,9 +130,8 @@ def gather_candidates(z: torch.Tensor, lower: torch.Tensor, cap: int, *,
 
 def _native_layout(z: torch.Tensor, lower: torch.Tensor, scale: torch.Tensor | None) -> bool:
     """Whether the C++ pass takes these tensors: float32 on the CPU, rows of z contiguous."""
-    vectors = (lower,) if scale is None else (lower, scale)
-    return (z.device.type == "cpu" and z.dtype == torch.float32 and z.dim() == 2 and z.stride(1) == 1
-            and all(v.dtype == torch.float32 and v.is_contiguous() and v.device.type == "cpu" for v in vectors))
+    return (native.rows_layout(z, torch.float32) and native.vector_layout(lower, torch.float32)
+            and (scale is None or native.vector_layout(scale, torch.float32)))
 
 
 def kept_mass(z: torch.Tensor, z_max: torch.Tensor, tau: torch.Tensor, scale: torch.Tensor | None = None,
