@@ -24,6 +24,19 @@ def test_it_builds_and_loads_wherever_a_compiler_is_found():
     assert OP is not None
 
 
+def counted(monkeypatch, name: str) -> list:
+    """Replace `native.<name>` by a wrapper whose op appends to the returned list on every call."""
+    calls: list = []
+    real = getattr(native, name)
+
+    def counting():
+        op = real()
+        return None if op is None else (lambda *args: calls.append(1) or op(*args))
+
+    monkeypatch.setattr(native, name, counting)
+    return calls
+
+
 def torch_list(z, lower, scale=None):
     count = (z >= lower[:, None]).sum(dim=1)
     return select.gather_candidates(z, lower, 1 << 30, count=count, scale=scale, compiled=False), count
@@ -86,14 +99,7 @@ def test_a_short_width_keeps_the_first_hits_and_counts_them_all():
 
 
 def test_a_compiling_sampler_lists_candidates_with_it_and_draws_what_an_eager_one_draws(monkeypatch):
-    calls = []
-    real = native.gather_op
-
-    def counting():
-        op = real()
-        return None if op is None else (lambda *args: calls.append(1) or op(*args))
-
-    monkeypatch.setattr(native, "gather_op", counting)
+    calls = counted(monkeypatch, "gather_op")
     logits = make_logits(6, 151936, flat=False, device=torch.device("cpu"))  # peaked: the candidate list route
     tokens = []
     for compile in (True, False):
@@ -150,14 +156,7 @@ def test_the_seen_ids_of_penalised_slots_are_the_torch_compactions(vocab):
 
 
 def test_a_compiling_sampler_penalises_with_it_as_an_eager_one(monkeypatch):
-    calls = []
-    real = native.seen_op
-
-    def counting():
-        op = real()
-        return None if op is None else (lambda *args: calls.append(1) or op(*args))
-
-    monkeypatch.setattr(native, "seen_op", counting)
+    calls = counted(monkeypatch, "seen_op")
     vocab = 50_000
     logits = make_logits(4, vocab, flat=False, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(7)
@@ -196,14 +195,7 @@ def test_a_bitmask_removes_what_the_torch_lookup_removes(start, width):
 
 
 def test_a_compiling_sampler_applies_a_bitmask_with_it_as_an_eager_one(monkeypatch):
-    calls = []
-    real = native.bitmask_op
-
-    def counting():
-        op = real()
-        return None if op is None else (lambda *args: calls.append(1) or op(*args))
-
-    monkeypatch.setattr(native, "bitmask_op", counting)
+    calls = counted(monkeypatch, "bitmask_op")
     vocab = 151936
     logits = make_logits(4, vocab, flat=False, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(9)
