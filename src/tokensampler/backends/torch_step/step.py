@@ -36,6 +36,7 @@ On a CPU the step reads small per-row results back to choose routes. The sizes a
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
@@ -45,6 +46,7 @@ from ...core.constants import NEG_INF
 from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
 from ...core.plan import StepPlan
+from ...core.threads import single_threaded
 from ...state import SamplerState
 from . import candidates, extra_filters, logprobs, masking, routes, stages
 from .argmax import block_maxima, first_argmax
@@ -113,9 +115,11 @@ class TorchStep:
         token_bitmask: int32 [B, W >= ceil(V / 32)] (xgrammar's layout, checked by the Sampler):
         this step removes every id whose bit is 0. Masked batches take the block route, which
         unpacks each block's bits right after its float32 copy (docs/cpu-fast-path.md)."""
-        index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
-        out = self._sample(logits, index, plan, token_bitmask)
-        self.state.record_tokens(index, out.token_ids, record)
+        small = logits.shape[0] * logits.shape[1] <= self.config.single_thread_elements
+        with single_threaded() if small else contextlib.nullcontext():  # a row: no second thread to wait for
+            index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
+            out = self._sample(logits, index, plan, token_bitmask)
+            self.state.record_tokens(index, out.token_ids, record)
         return out
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,

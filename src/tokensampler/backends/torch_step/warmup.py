@@ -11,21 +11,27 @@ rows later; logprobs of far-down tokens the full rank count). `CASES` enumerates
 names the route it provably takes (with the default config: a test reads the step's record,
 `TorchStep.routes_taken`, and checks every case and that every route is some case's target), the
 rows that take it and the layouts it can see. `warm` runs a scratch state through each case on
-each of its layouts, so every function a sampler can call is prepared before serving.
+each of its layouts, so every function a sampler can call is prepared before serving. A layout
+includes torch's thread count, and a small call runs on one thread
+(`TorchStepConfig.single_thread_elements`): where that can happen the cases run on both counts
+(`thread_settings`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 
 from ...core.params import SamplingParams
 from ...core.plan import plan_step
+from ...core.threads import single_threaded, thread_count_owned
 from ...state import SamplerState, VocabLayout
-from .config import TorchStepConfig
+from .config import DEFAULT, TorchStepConfig
 from .routes import Route, Thresholds, Values
 from .step import TorchStep
 
@@ -126,7 +132,8 @@ def run_cases(vocab: int, padded: int, logprobs_mode: str, config: TorchStepConf
     """Every case of `CASES` on each of its layouts, through a scratch two-slot torch step of this
     width. Returns, per case, the routes its steps took (`TorchStep.routes_taken`)."""
     state = SamplerState(2, VocabLayout(vocab, padded), device)
-    step = TorchStep(state, logprobs_mode, config, compiled=compiled)
+    # the thread count is the caller's (`thread_settings`), not the step's own small-call rule
+    step = TorchStep(state, logprobs_mode, replace(config or DEFAULT, single_thread_elements=0), compiled=compiled)
     generator = torch.Generator().manual_seed(0)
     history = list(range(min(vocab, 40)))
     bitmask = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
@@ -164,14 +171,32 @@ def warm(vocab_size: int, padded_vocab_size: int, logprobs_mode: str, config: To
     signature = repr((vocab, padded, logprobs_mode, config, device.type, torch.get_num_threads()))
     if compile_cache.preload_manifest(signature):
         small = min(vocab, EXERCISE_VOCAB)
-        taken = run_cases(small, small + padded - vocab, logprobs_mode, config, device)
+        taken = [t for threads in thread_settings(config)
+                 for t in _under(threads, lambda: run_cases(small, small + padded - vocab, logprobs_mode, config,
+                                                            device))]
     else:
         since = compile_cache.call_counts()
-        taken = run_cases(vocab, padded, logprobs_mode, config, device)
+        taken = [t for threads in thread_settings(config)
+                 for t in _under(threads, lambda: run_cases(vocab, padded, logprobs_mode, config, device))]
         compile_cache.save_manifest(signature, since)
     routes = sum(taken, Counter())
     return {"seconds": time.perf_counter() - start, "steps": sum(len(case.layouts) for case in CASES),
             "prepared": compile_cache.prepared() - prepared, "routes": {route_name(r): n for r, n in routes.items()}}
+
+
+def thread_settings(config: TorchStepConfig | None) -> list[Callable[[], contextlib.AbstractContextManager]]:
+    """The thread counts the sampler's steps run on: the caller's, and one thread too where small
+    calls run single-threaded (`TorchStepConfig.single_thread_elements`; a compiled function's
+    layout includes the thread count, so each count is warmed)."""
+    settings: list[Callable[[], contextlib.AbstractContextManager]] = [contextlib.nullcontext]
+    if (config or DEFAULT).single_thread_elements > 0 and thread_count_owned() and torch.get_num_threads() > 1:
+        settings.append(single_threaded)
+    return settings
+
+
+def _under(threads: Callable[[], contextlib.AbstractContextManager], run: Callable[[], list]) -> list:
+    with threads():
+        return run()
 
 
 def route_name(route: Target) -> str:
