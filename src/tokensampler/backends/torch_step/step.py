@@ -120,6 +120,7 @@ class TorchStep:
             index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
             out = self._sample(logits, index, plan, token_bitmask)
             self.state.record_tokens(index, out.token_ids, record)
+        self._p_workspace = None  # the dense route's p buffer lives for one call (measured: no slower)
         return out
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
@@ -144,8 +145,11 @@ class TorchStep:
             return outcome
         if route is Route.PLAIN_GREEDY:
             return SamplerOutput(probe.greedy_tokens(), probe.valid, None)
-        flat = probe.facts.groups is not None and any(routes.choose_thresholds(group) is Thresholds.DENSE
-                                                      for group in probe.facts.groups)
+        # too flat for a candidate list: the probe's estimate says so, or the direct route found it
+        # (a list over its cap, or a group handed to the dense route: `routes.Continue`)
+        flat = isinstance(outcome, routes.Continue) or (
+            probe.facts.groups is not None
+            and any(routes.choose_thresholds(group) is Thresholds.DENSE for group in probe.facts.groups))
         return self._block_route(logits, index, plan, token_bitmask, flat)
 
     def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
@@ -233,8 +237,8 @@ class TorchStep:
 
     @property
     def workspace_bytes(self) -> int:
-        """Bytes this step holds from call to call: the block workspace (0 until the block route runs)
-        and the dense route's p buffer (0 until a flat row needed it)."""
+        """Bytes this step holds from call to call: the block workspace (0 until the block route runs;
+        the dense route's p buffer is released at the end of each call)."""
         return sum(t.numel() * t.element_size() for t in (self._z_workspace, self._p_workspace) if t is not None)
 
     @property
@@ -243,7 +247,9 @@ class TorchStep:
         return max(1, self.config.block_elements // self.vocab_size)
 
     def _dense_buffer(self, numel: int) -> torch.Tensor:
-        """The dense route's float32 p buffer, reused from step to step (grown when needed)."""
+        """The dense route's float32 p buffer, shared by the blocks of one call (grown when needed,
+        released when the call ends: a flat call at B = 32 ran as fast as with a held one, and a later
+        call of another route does not hold it)."""
         if self._p_workspace is None or self._p_workspace.numel() < numel:
             self._p_workspace = None
             self._p_workspace = torch.empty(numel, dtype=torch.float32, device=self.device)
