@@ -269,3 +269,40 @@ def test_an_engine_that_forbids_thread_changes_keeps_its_count(monkeypatch):
     gen.apply_prefill_state(sampling_params=burst([dict(seed=1), dict(seed=2)]),
                             prompt_tokens=torch.tensor([[1, 2], [3, 4]]), empty_slots=[0, 1])
     assert calls == [] and torch.get_num_threads() == threads
+
+
+def test_a_single_threaded_block_is_its_python_threads_own():
+    """torch's count is per thread (OpenMP): a block open in another thread changes neither this
+    thread's count nor what `caller_threads` does here."""
+    import threading
+
+    from tokensampler.core.threads import caller_threads, single_threaded
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        entered, leave = threading.Event(), threading.Event()
+        seen = []
+
+        def block():
+            with single_threaded():
+                seen.append(torch.get_num_threads())
+                entered.set()
+                leave.wait(timeout=10)
+                with caller_threads():
+                    seen.append(torch.get_num_threads())
+            seen.append(torch.get_num_threads())
+
+        other = threading.Thread(target=block)
+        other.start()
+        assert entered.wait(timeout=10)
+        assert torch.get_num_threads() == 2  # this thread's own count
+        torch.set_num_threads(3)
+        with caller_threads():  # not inside a block of this thread: no change
+            assert torch.get_num_threads() == 3
+        torch.set_num_threads(2)
+        leave.set()
+        other.join(timeout=10)
+        assert seen == [1, 2, 2] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)

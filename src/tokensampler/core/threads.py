@@ -16,11 +16,20 @@ are bound to cores), both leave the thread count alone (`thread_count_owned`). M
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
 
-_replaced: list[int] = []  # the thread counts `single_threaded` replaced, innermost last
+# torch's count is the calling thread's (OpenMP's nthreads-var is per thread): each Python thread
+# keeps its own stack of the counts its `single_threaded` blocks replaced, innermost last
+_local = threading.local()
+
+
+def _replaced() -> list[int]:
+    if not hasattr(_local, "replaced"):
+        _local.replaced = []
+    return _local.replaced
 
 
 def thread_count_owned() -> bool:
@@ -39,8 +48,8 @@ def single_threaded() -> Iterator[None]:
     """Run the block with `torch.set_num_threads(1)`, then restore the caller's thread count (where
     `thread_count_owned()`; else the block runs on the threads it has).
 
-    The setting is torch's, for the process: torch operations another Python thread runs meanwhile
-    also use one thread. Example::
+    With torch's OpenMP build the count is the calling thread's: another Python thread's torch
+    operations keep theirs (on another build the setting may be the process's). Example::
 
         with single_threaded():
             generator.apply_prefill_state(...)   # its row fills: `caller_threads`
@@ -49,12 +58,12 @@ def single_threaded() -> Iterator[None]:
         yield
         return
     threads = torch.get_num_threads()
-    _replaced.append(threads)
+    _replaced().append(threads)
     _set_threads(1)
     try:
         yield
     finally:
-        _replaced.pop()
+        _replaced().pop()
         _set_threads(threads)
 
 
@@ -62,11 +71,12 @@ def single_threaded() -> Iterator[None]:
 def caller_threads() -> Iterator[None]:
     """Inside `single_threaded`, the thread count it replaced, for one large operation (outside
     it: no change)."""
-    if not _replaced:
+    replaced = _replaced()
+    if not replaced:
         yield
         return
     inner = torch.get_num_threads()
-    _set_threads(_replaced[-1])
+    _set_threads(replaced[-1])
     try:
         yield
     finally:
