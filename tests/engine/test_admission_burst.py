@@ -13,7 +13,7 @@ from tokensampler import InvalidSamplingParams, SamplingParams
 from tokensampler.engine import batch_params
 from tokensampler.engine.batch_params import FIELDS, BatchSamplingParams, format_requests, format_sampling_params
 from tokensampler.sampler.sampler import Sampler
-from tokensampler.state.slots import consecutive_runs
+from tokensampler.state.row_fill import consecutive_runs
 
 V = 64
 
@@ -188,10 +188,11 @@ def test_rebuilding_the_history_of_runs_of_slots_clears_exactly_their_rows(runs)
 def test_an_admission_runs_its_small_operations_on_one_thread_and_its_large_row_fills_on_the_callers(
         monkeypatch, threaded_fill_bytes, fill_threads):
     from tokensampler.engine.generator import SamplingGenerator
+    from tokensampler.state import row_fill
     from tokensampler.state import slots as slots_module
 
     seen: dict[str, list[int]] = {"write_params": [], "fill": []}
-    write_params, runs = slots_module.SamplerState.write_params, slots_module.consecutive_runs
+    write_params, runs = slots_module.SamplerState.write_params, row_fill.consecutive_runs
 
     def recording_write(self, *args, **kwargs):
         seen["write_params"].append(torch.get_num_threads())
@@ -202,8 +203,8 @@ def test_an_admission_runs_its_small_operations_on_one_thread_and_its_large_row_
         return runs(slot_list)
 
     monkeypatch.setattr(slots_module.SamplerState, "write_params", recording_write)
-    monkeypatch.setattr(slots_module, "consecutive_runs", recording_runs)
-    monkeypatch.setattr(slots_module, "_THREADED_FILL_BYTES", threaded_fill_bytes)
+    monkeypatch.setattr(row_fill, "consecutive_runs", recording_runs)
+    monkeypatch.setattr(row_fill, "THREADED_FILL_BYTES", threaded_fill_bytes)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

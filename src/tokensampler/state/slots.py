@@ -26,7 +26,6 @@ it there (`record_tokens`), and `positions` reads it.
 
 from __future__ import annotations
 
-import contextlib
 from typing import NamedTuple, Sequence
 
 import torch
@@ -34,26 +33,11 @@ import torch
 from ..core import rng
 from ..core.dry import DRY_MAX_HISTORY, dry_window
 from ..core.params import SamplingParams
-from ..core.threads import caller_threads
 from .layout import VocabLayout
+from .row_fill import fill_rows
 
 _INT64_MAX = 2**63 - 1
 MU, TAU, ETA = range(3)  # the columns of `SamplerState.mirostat`
-
-
-_MAX_FILL_RUNS = 16  # `_fill_rows`: more runs than this, one index fill
-_THREADED_FILL_BYTES = 2**25  # `_fill_rows`: from 32 MiB, on the caller's threads
-
-
-def consecutive_runs(slots: list[int]) -> list[tuple[int, int]]:
-    """[start, stop) of each run of consecutive values in `slots`, in order ([3, 4, 5, 9] -> [(3, 6), (9, 10)])."""
-    runs: list[tuple[int, int]] = []
-    for slot in slots:
-        if runs and runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], slot + 1)
-        else:
-            runs.append((slot, slot + 1))
-    return runs
 
 
 class SlotRecord(NamedTuple):
@@ -405,9 +389,9 @@ class SamplerState:
         # and copied on every admission
         if prompt_tokens is not None:
             rows, ids = self._real_pairs(slots, self.layout.local_tensor(prompt_tokens))
-            self._fill_rows(self.prompt_mask, slots, False)
+            fill_rows(self.prompt_mask, slots, False)
             self.prompt_mask[rows, ids] = True
-        self._fill_rows(self.output_counts, slots, 0)
+        fill_rows(self.output_counts, slots, 0)
         lengths = torch.zeros(slots.numel(), dtype=torch.int64, device=self.device)
         if output_tokens is not None:
             rows, ids = self._real_pairs(slots, self.layout.local_tensor(output_tokens))
@@ -428,23 +412,6 @@ class SamplerState:
             self._rebuild_dry_history(slots, prompt_tokens, output_tokens, old_lengths)
         if self.mirostat is not None:  # a rebuilt history starts Mirostat afresh: mu = 2 tau
             self.mirostat[slots, MU] = 2.0 * self.mirostat[slots, TAU]
-
-    def _fill_rows(self, tensor: torch.Tensor, slots: torch.Tensor, value: bool | int) -> None:
-        """Rows `slots` of `tensor` set to `value`. On the CPU a few runs of consecutive slots (an
-        admitted burst fills the free slots in order) are filled as contiguous blocks: an index fill
-        of many rows takes several times as long as a fill of the same bytes. Inside
-        `single_threaded` (an admission) a fill of at least `_THREADED_FILL_BYTES` runs on the
-        caller's threads (a smaller one gains less from them than it loses waiting for a thread
-        that lost its core)."""
-        large = slots.numel() * tensor[0].numel() * tensor.element_size() >= _THREADED_FILL_BYTES
-        with caller_threads() if large else contextlib.nullcontext():  # memory-bound: the caller's threads
-            if self.device.type == "cpu":
-                runs = consecutive_runs(slots.tolist())
-                if len(runs) <= _MAX_FILL_RUNS:
-                    for start, stop in runs:
-                        tensor[start:stop].fill_(value)
-                    return
-            tensor.index_fill_(0, slots, value)
 
     def _rebuild_dry_history(self, slots: torch.Tensor, prompt_tokens: torch.Tensor | None,
                              output_tokens: torch.Tensor | None, old_output_lengths: list[int]) -> None:

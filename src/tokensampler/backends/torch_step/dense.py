@@ -196,7 +196,7 @@ def _extract(z: torch.Tensor, low: torch.Tensor, high: torch.Tensor, cap: int, c
         listed = count <= cap
         width = int(torch.where(listed, count, 0).max()) if z.shape[0] else 0
         values = values[:, :max(width, 1)].masked_fill(~listed[:, None], NEG_INF)
-        return sorted_descending(values.contiguous()), count
+        return sorted_descending(values), count  # masked_fill made it contiguous
     mask = z >= low[:, None]
     mask &= z < high[:, None]
     if bool(torch.isneginf(low).any()):
