@@ -439,9 +439,11 @@ def test_compiled_direct_route_matches_reference(monkeypatch):
     top = logits.topk(4, dim=-1).indices.tolist()
     history = dict(prompts=[[], top[1][:2], [], top[3][:1], [], []], outputs=[[], top[1][2:3], [], [7], [], []])
     want = run_reference(logits, params, **history)
-    got = run_sampler(logits, params, compile=True, **history)
+    got = run_sampler(logits, params, config=TorchStepConfig(fused_route=False), compile=True, **history)
     assert seen == [False] and torch.equal(logits, before)
     assert_same_output(want, got)
+    assert_same_output(want, run_sampler(logits, params, compile=True, **history))  # the fused route
+    assert seen == [False] and torch.equal(logits, before)
     assert_same_output(want, run_sampler(logits, params, config=TorchStepConfig(direct_route=False), compile=True,
                                          **history))
 

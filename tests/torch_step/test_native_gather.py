@@ -13,6 +13,7 @@ import torch
 
 from tokensampler import Sampler, SamplingParams
 from tokensampler.backends.torch_step import native, select
+from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.tools.bench import make_logits
 
 COMPILER = platform.system() == "Linux" and (os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
@@ -103,7 +104,8 @@ def test_a_compiling_sampler_lists_candidates_with_it_and_draws_what_an_eager_on
     logits = make_logits(6, 151936, flat=False, device=torch.device("cpu"))  # peaked: the candidate list route
     tokens = []
     for compile in (True, False):
-        sampler = Sampler(151936, max_slots=6, compile=compile)
+        sampler = Sampler(151936, max_slots=6, compile=compile,  # the general routes (the fused one lists in C++)
+                          step_config=TorchStepConfig(fused_route=False))
         for slot in range(6):
             sampler.add_request(slot, SamplingParams(temperature=0.8, top_p=0.9, top_k=50 * slot, seed=slot), [1])
         tokens.append([sampler.sample(logits).token_ids.tolist() for _ in range(4)])
@@ -207,7 +209,8 @@ def test_a_compiling_sampler_applies_a_bitmask_with_it_as_an_eager_one(monkeypat
     bitmask = torch.where(bitmask >= 2**31, bitmask - 2**32, bitmask).to(torch.int32)
     tokens = []
     for compile in (True, False):
-        sampler = Sampler(vocab, max_slots=4, compile=compile)
+        sampler = Sampler(vocab, max_slots=4, compile=compile,  # the block route (the fused one reads the bits)
+                          step_config=TorchStepConfig(fused_route=False))
         for slot in range(4):
             sampler.add_request(slot, SamplingParams(temperature=0.9, top_p=0.9, seed=slot), [1])
         tokens.append([sampler.sample(logits, token_bitmask=bitmask).token_ids.tolist() for _ in range(4)])

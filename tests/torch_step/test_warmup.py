@@ -135,11 +135,25 @@ def test_every_warmup_case_takes_its_route_and_every_route_is_warmed():
     vocab = warmup.EXERCISE_VOCAB
     taken = warmup.run_cases(vocab, vocab + 64, "raw_logprobs", None, torch.device("cpu"), compiled=False)
     for case, routes in zip(warmup.CASES, taken):
-        assert routes[case.target] >= len(case.layouts), (case, dict(routes))
+        if case.target is not Route.FUSED:  # an eager step never takes it (the next test)
+            assert routes[case.target] >= len(case.layouts), (case, dict(routes))
     reachable = {*Route, *((route, Values.IN_PLACE) for route in Thresholds),
                  (Thresholds.LIST, Values.DIVIDED_WHERE_READ), (Thresholds.TOP_K_LIST, Values.DIVIDED_WHERE_READ)}
     assert {case.target for case in warmup.CASES} == reachable
-    assert set(sum(taken, Counter())) == reachable  # no other route exists to be missed
+    assert set(sum(taken, Counter())) == reachable - {Route.FUSED}  # no other route exists to be missed
+
+
+def test_the_fused_case_takes_the_fused_route_in_a_compiling_step():
+    """The fused route's case takes it on every layout where the step compiles (the C++ pass is loaded),
+    and a case of the general routes run beside it does not (the warm-up runs those with it off)."""
+    from tokensampler.backends.torch_step.routes import Route, Thresholds, Values
+    fused_case = next(case for case in warmup.CASES if case.target is Route.FUSED)
+    general_case = next(case for case in warmup.CASES if case.target == (Thresholds.LIST, Values.DIVIDED_WHERE_READ))
+    vocab = warmup.EXERCISE_VOCAB  # peaked rows at T = 0.8 list about 1,400 ids: within the cap from V / 8
+    fused_taken, general_taken = warmup.run_cases(vocab, vocab + 64, "raw_logprobs", None, torch.device("cpu"),
+                                                  compiled=True, cases=(fused_case, general_case))
+    assert fused_taken[Route.FUSED] == len(fused_case.layouts), dict(fused_taken)
+    assert general_taken[Route.FUSED] == 0 and general_taken[general_case.target] >= len(general_case.layouts)
 
 
 def test_the_library_sets_no_environment_variable(compiled, monkeypatch):

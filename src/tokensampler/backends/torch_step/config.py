@@ -19,6 +19,9 @@ class TorchStepConfig:
 
     direct_route: float32 batches with nothing to remove or add before temperature (except
       penalties) are read in place from the caller's logits; False sends them to the block route.
+    fused_route: such batches with sampled rows (and no full-row stage) run steps 6-11 of each row
+      in one C++ pass (`fused`) where the sampler compiles and the pass is loaded; False: the
+      torch operations' routes.
     block_elements: logits per row block of the block route (rows per block = this // V, at least 1).
     masked_block_elements: the same for batches with a token bitmask (12 rows at V = 152k, as
       unmasked: the block is the step's held workspace, 0.38 fp32 logits buffers at B = 32; 17-row
@@ -46,6 +49,7 @@ class TorchStepConfig:
     """
 
     direct_route: bool = True
+    fused_route: bool = True
     block_elements: int = 7 << 18  # 12 rows at V = 152k
     masked_block_elements: int = 7 << 18  # 12 rows at V = 152k
     flat_block_elements: int = 17 << 16  # 7 rows at V = 152k
@@ -63,6 +67,7 @@ class TorchStepConfig:
 
     def __post_init__(self) -> None:
         check_bool("TorchStepConfig.direct_route", self.direct_route)
+        check_bool("TorchStepConfig.fused_route", self.fused_route)
         for name in ("block_elements", "masked_block_elements", "flat_block_elements", "top_p_head",
                      "top_p_head_chunks", "column_chunk", "histogram_bins", "dense_block", "dense_sample_stride"):
             check_int(f"TorchStepConfig.{name}", getattr(self, name), 1)

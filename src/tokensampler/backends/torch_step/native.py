@@ -41,7 +41,7 @@ import torch
 from ...core.errors import CompileFallbackWarning
 from . import torch_private
 
-SOURCE = Path(__file__).with_name("native_gather.cpp")
+SOURCES = (Path(__file__).with_name("native_gather.cpp"), Path(__file__).with_name("native_sample.cpp"))
 LIBRARY = "tokensampler_native"
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # "ops": the loaded library's namespace, or None
@@ -70,9 +70,9 @@ def library_path() -> Path:
 
     digest = hashlib.sha256()
     for part in (torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-                 " ".join(_flags()), SOURCE.read_bytes()):
+                 " ".join(_flags()), *(source.read_bytes() for source in SOURCES)):
         digest.update(part if isinstance(part, bytes) else str(part).encode())
-    return Path(cache_dir()) / "tokensampler_native" / digest.hexdigest()[:20] / "native_gather.so"
+    return Path(cache_dir()) / "tokensampler_native" / digest.hexdigest()[:20] / "tokensampler_native.so"
 
 
 def build(target: Path) -> None:
@@ -84,7 +84,7 @@ def build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        command = [compiler, str(SOURCE), "-o", str(built), *_flags(), "-lc10", "-ltorch_cpu", "-ltorch"]
+        command = [compiler, *map(str, SOURCES), "-o", str(built), *_flags(), "-lc10", "-ltorch_cpu", "-ltorch"]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-500:]}")
@@ -126,6 +126,12 @@ def bitmask_op() -> Callable | None:
     return None if ops is None else ops.remove_by_bitmask
 
 
+def sample_op() -> Callable | None:
+    """`torch.ops.tokensampler_native.sample_rows` (steps 6-11 for whole rows: `fused`), as `gather_op`."""
+    ops = _library()
+    return None if ops is None else ops.sample_rows
+
+
 def _library() -> Any:
     if "ops" in _STATE:
         return _STATE["ops"]
@@ -139,7 +145,7 @@ def _load() -> Any:
     if platform.system() != "Linux":
         return None  # built and tested on Linux only
     try:
-        if not hasattr(getattr(torch.ops, LIBRARY), "remove_by_bitmask"):
+        if not hasattr(getattr(torch.ops, LIBRARY), "sample_rows"):
             target = library_path()
             if not target.exists():
                 build(target)

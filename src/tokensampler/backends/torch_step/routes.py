@@ -6,6 +6,10 @@ thresholds by one `Thresholds` route, reading its values in one of the two forms
 - `Route.PLAIN_GREEDY`: the first maximum of the caller's logits, nothing copied;
 - `Route.DIRECT`: every row on the caller's logits (cell edits written and restored), the sampled
   rows read in `Values.DIVIDED_WHERE_READ` form;
+- `Route.FUSED`: every row on the caller's logits (cell edits written and restored), steps 6-11 of
+  each row in one C++ pass (`fused.sample_rows`); rows it cannot finish exactly (NaN or +inf, no id
+  left, a row too flat for its list, a top-p crossing its tail bound leaves undecided) send the call
+  on to the other routes (`Continue`), the logits as they were;
 - `Route.BLOCK`: row blocks copied into the workspace and edited there, the sampled rows divided
   `Values.IN_PLACE` (or, in a block with a token bitmask, divided where read);
 - `Thresholds.LIST`: a candidate list of the ids above the winnable floor holds the thresholds;
@@ -47,6 +51,7 @@ class Route(enum.Enum):
     """The route of a whole step."""
 
     PLAIN_GREEDY = "plain_greedy"  # every row greedy, nothing edited: argmax of the caller's logits
+    FUSED = "fused"  # every row on the caller's logits, steps 6-11 in one C++ pass per row
     DIRECT = "direct"  # every row on the caller's logits, values divided where read
     BLOCK = "block"  # row blocks through the float32 workspace
 
@@ -167,22 +172,25 @@ class StepFacts:
 
 
 def readable_routes(plan: StepPlan, layout: Layout, config: TorchStepConfig, logprobs_mode: str,
-                    cell_edits: Collection[str]) -> frozenset[Route]:
+                    cell_edits: Collection[str], fused: bool = False) -> frozenset[Route]:
     """The routes on the caller's logits the plan and layout allow (before any value is read):
     plain greedy for greedy plans with nothing to edit and no logprobs; the direct route for float32
     CPU logits whose plan's edits all have a cell form (`stages.CELL_EDITS`: not allowed ids, a
     token bitmask, min_tokens or bias), without processed logprobs (they read the edited z), and
-    with separate, writable rows where there are edits (they are written in place and restored).
-    cell_edits: the edits with a cell form (`stages.CELL_EDITS`)."""
-    if layout.masked:
-        return frozenset()
+    with separate, writable rows where there are edits (they are written in place and restored);
+    the fused route where the direct route would be allowed, some row is sampled, no row has a
+    full-row stage, the rows are contiguous and `fused` (the step's C++ pass is loaded and
+    `TorchStepConfig.fused_route` on). A call with a token bitmask reads the caller's logits on the
+    fused route only. cell_edits: the edits with a cell form (`stages.CELL_EDITS`)."""
     allowed = {Route.PLAIN_GREEDY} if plan.plain_greedy and not plan.wants_logprobs else set()
     edits = plan.edits()
     processed = logprobs_mode.startswith("processed") and plan.wants_logprobs
     if (config.direct_route and layout.float32_cpu and all(name in cell_edits for name in edits)
             and not processed and (not edits or (layout.separate_rows and layout.writable))):
         allowed.add(Route.DIRECT)
-    return frozenset(allowed)
+        if fused and plan.sampled_rows and not plan.full_row and layout.separate_rows:
+            allowed.add(Route.FUSED)  # a token bitmask is read where each value is read
+    return frozenset(allowed & {Route.FUSED}) if layout.masked else frozenset(allowed)
 
 
 def choose_route(plan: StepPlan, facts: StepFacts, config: TorchStepConfig, logprobs_mode: str,

@@ -45,10 +45,10 @@ import torch
 from ...core.constants import NEG_INF
 from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
-from ...core.plan import StepPlan
+from ...core.plan import StepPlan, plan_step
 from ...core.threads import single_threaded
 from ...state import SamplerState
-from . import candidates, extra_filters, logprobs, masking, routes, stages
+from . import candidates, extra_filters, fused, logprobs, masking, routes, stages
 from .argmax import block_maxima, first_argmax
 from .config import DEFAULT, TorchStepConfig
 from .routes import Handoff, Route, RowFacts, Thresholds, Values
@@ -106,6 +106,7 @@ class TorchStep:
         self.config = DEFAULT if config is None else config
         self._z_workspace: torch.Tensor | None = None
         self._p_workspace: torch.Tensor | None = None
+        self._fused_loaded: bool | None = None  # the fused route available (`_fused_ready`)
         self.routes_taken: Counter = Counter()  # each Route, and each (Thresholds, Values), run
 
     def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
@@ -113,8 +114,9 @@ class TorchStep:
         """Steps 1-13 for the rows of `logits` ([B, Vp]) and the slots of `plan`; rows where the
         bool [B] `record` is False are sampled but their slot's history is left as it was.
         token_bitmask: int32 [B, W >= ceil(V / 32)] (xgrammar's layout, checked by the Sampler):
-        this step removes every id whose bit is 0. Masked batches take the block route, which
-        unpacks each block's bits right after its float32 copy (docs/cpu-fast-path.md)."""
+        this step removes every id whose bit is 0. The fused route reads the bits where it reads a
+        value; masked batches it does not take go to the block route, which unpacks each block's
+        bits right after its float32 copy (docs/cpu-fast-path.md)."""
         small = logits.shape[0] * logits.shape[1] <= self.config.single_thread_elements
         with single_threaded() if small else contextlib.nullcontext():  # a row: no second thread to wait for
             index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
@@ -124,9 +126,16 @@ class TorchStep:
         return out
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                token_bitmask: torch.Tensor | None = None) -> SamplerOutput:
-        """Steps 1-12: the probe, the one choice of the route, the route. No buffer of the logits'
-        size is allocated on any route."""
+                token_bitmask: torch.Tensor | None = None, fused_first: bool = True) -> SamplerOutput:
+        """Steps 1-12: the fused route where the plan and layout allow it and it finishes some row
+        (the others then take the general routes alone); else the probe, the one choice of the route,
+        the route. No buffer of the logits' size is allocated on any route."""
+        layout = routes.Layout.of(logits, masked=token_bitmask is not None)
+        if fused_first and Route.FUSED in routes.readable_routes(plan, layout, self.config, self.logprobs_mode,
+                                                                 stages.CELL_EDITS, fused=self._fused_ready()):
+            fused_outcome = self._fused_route(logits, index, plan, token_bitmask)
+            if isinstance(fused_outcome, SamplerOutput):
+                return fused_outcome
         probe = self._probe(logits, index, plan, masked=token_bitmask is not None)
         outcome: SamplerOutput | routes.Continue | None = None
         try:
@@ -151,6 +160,42 @@ class TorchStep:
             probe.facts.groups is not None
             and any(routes.choose_thresholds(group) is Thresholds.DENSE for group in probe.facts.groups))
         return self._block_route(logits, index, plan, token_bitmask, flat)
+
+    def _fused_ready(self) -> bool:
+        """Whether this step may take the fused route (`fused.available`, asked once)."""
+        if self._fused_loaded is None:
+            self._fused_loaded = fused.available(self.compiled, self.config)
+        return self._fused_loaded
+
+    def _fused_route(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
+                     token_bitmask: torch.Tensor | None = None) -> SamplerOutput | routes.Continue:
+        """`Route.FUSED`: the plan's cell edits written into the caller's logits, steps 6-11 of every
+        row in one C++ pass (`fused.sample_rows`, reading the token bitmask where it reads a value),
+        the cells restored; raw logprobs as on the direct route. Rows the pass marks general take the
+        general routes alone (`_sample` on a copy of their rows, with a plan of them); where every row
+        is general the call continues there whole (`routes.Continue`)."""
+        z, names = logits[:, :self.vocab_size], plan.edits()
+        undo = (stages.edit_cells(z, stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled),
+                                  names) if names else [])
+        try:
+            tokens, general = fused.sample_rows(z, index, self.state, self.config, token_bitmask)
+        finally:
+            stages.restore_cells(z, undo)
+        valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        rows = general.nonzero().squeeze(-1).tolist() if bool(general.any()) else []
+        if len(rows) == tokens.shape[0]:
+            return routes.Continue(Route.DIRECT, "no row the fused pass can finish exactly")
+        if rows:  # those rows alone, on the general routes (their own plan; a copy of their logits)
+            part = plan_step([plan.rows[b] for b in rows], self.vocab_size, [plan.slots[b] for b in rows])
+            mask = None if token_bitmask is None else token_bitmask[rows]
+            drawn = self._sample(logits[rows], index[rows], part, mask, fused_first=False)
+            tokens[rows], valid[rows] = drawn.token_ids, drawn.valid
+        self.routes_taken[Route.FUSED] += 1
+        out = SamplerOutput(tokens, valid, None)
+        if plan.wants_logprobs:  # raw scores (processed modes never take this route)
+            out.logprobs = LogprobsOutput.empty((logits.shape[0],), plan.logprobs_width, logits.device)
+            self._direct_logprobs(logits, tokens, plan, out.logprobs)
+        return out
 
     def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
         """The facts `routes.choose_route` needs, measured once on the caller's logits where a route
@@ -238,8 +283,11 @@ class TorchStep:
     @property
     def workspace_bytes(self) -> int:
         """Bytes this step holds from call to call: the block workspace (0 until the block route runs;
-        the dense route's p buffer is released at the end of each call)."""
-        return sum(t.numel() * t.element_size() for t in (self._z_workspace, self._p_workspace) if t is not None)
+        the dense route's p buffer is released at the end of each call), and where the fused route
+        has run, the lists its last call's threads held (`fused.scratch_bytes`, counted whether or not
+        they were kept)."""
+        held = sum(t.numel() * t.element_size() for t in (self._z_workspace, self._p_workspace) if t is not None)
+        return held + (fused.scratch_bytes() if self.routes_taken[Route.FUSED] else 0)
 
     @property
     def _block_rows(self) -> int:

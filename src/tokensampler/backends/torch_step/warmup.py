@@ -46,13 +46,16 @@ ALL = CALLER + WORKSPACE
 class Case:
     """A warm-up step: two slots with `params` (the first, and the second's if given) on rows of
     `shape` (peaked, flat or gaussian), run on each of `layouts`; with the default config it takes
-    `target` on every one. `masked`: the call passes a token bitmask (its first 32 ids removed)."""
+    `target` on every one. `masked`: the call passes a token bitmask (its first 32 ids removed).
+    `fused`: the step may take the fused route (`TorchStepConfig.fused_route`); the other cases run
+    with it off, on the general routes a fused call hands its rows to."""
 
     target: Target
     shape: str
     params: tuple[dict, ...]
     layouts: tuple[str, ...]
     masked: bool = False
+    fused: bool = False  # run with the fused route on (every other case runs the general routes it hands off to)
 
 
 LIST_MIXES: tuple[tuple[dict, ...], ...] = (  # peaked rows: each mix calls other passes of the candidate list
@@ -87,6 +90,8 @@ LIST_DIVIDED, LIST_IN_PLACE = (Thresholds.LIST, Values.DIVIDED_WHERE_READ), (Thr
 
 CASES: tuple[Case, ...] = (
     Case(Route.PLAIN_GREEDY, "peaked", (GREEDY,), ALL),
+    Case(Route.FUSED, "peaked", (dict(temperature=0.8, top_p=0.9, repetition_penalty=1.1, logprobs=2), GREEDY),
+         CALLER, fused=True),  # compiling steps only (an eager step takes the direct route)
     Case(Route.DIRECT, "peaked", (GREEDY_PENALTIES,), CALLER),  # the cells written, greedy rows only
     Case(Route.BLOCK, "peaked", (GREEDY_PENALTIES,), WORKSPACE),
     *(Case(LIST_DIVIDED, "peaked", mix, CALLER) for mix in LIST_MIXES),  # the direct route's groups
@@ -128,22 +133,25 @@ def _input(shape: str, layout: str, vocab: int, padded: int, generator: torch.Ge
 
 
 def run_cases(vocab: int, padded: int, logprobs_mode: str, config: TorchStepConfig | None,
-              device: torch.device, compiled: bool = True) -> list[Counter]:
-    """Every case of `CASES` on each of its layouts, through a scratch two-slot torch step of this
+              device: torch.device, compiled: bool = True, cases: tuple[Case, ...] = CASES) -> list[Counter]:
+    """Every case of `cases` on each of its layouts, through a scratch two-slot torch step of this
     width. Returns, per case, the routes its steps took (`TorchStep.routes_taken`)."""
     state = SamplerState(2, VocabLayout(vocab, padded), device)
     # the thread count is the caller's (`thread_settings`), not the step's own small-call rule
-    step = TorchStep(state, logprobs_mode, replace(config or DEFAULT, single_thread_elements=0), compiled=compiled)
+    base = replace(config or DEFAULT, single_thread_elements=0)
+    steps = {fused: TorchStep(state, logprobs_mode, replace(base, fused_route=fused and base.fused_route),
+                              compiled=compiled) for fused in (False, True)}
     generator = torch.Generator().manual_seed(0)
     history = list(range(min(vocab, 40)))
     bitmask = torch.full((2, (vocab + 31) // 32), -1, dtype=torch.int32, device=device)
     bitmask[:, 0] = 0
     taken = []
-    for case in CASES:
+    for case in cases:
         for slot in range(2):
             request = SamplingParams(seed=slot, **case.params[slot % len(case.params)])
             state.admit(slot, request, slot, len(history), 0, history, history[:8], ())
         plan = plan_step([state.params[0], state.params[1]], vocab, [0, 1])
+        step = steps[case.fused]
         before = Counter(step.routes_taken)
         for layout in case.layouts:
             step.run(_input(case.shape, layout, vocab, padded, generator).to(device), plan, None,

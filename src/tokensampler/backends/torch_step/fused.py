@@ -1,0 +1,83 @@
+"""`Route.FUSED`: steps 6-11 of every row in one C++ pass (`native_sample.cpp`), on the caller's logits.
+
+The general routes (`step.py`, `candidates.py`) assemble a step from torch operations: each pass is a
+parallel region, each small operation a dispatch, and a row's thresholds take dozens of them. The
+fused pass does a row's whole work in one function, and a batch's in one parallel region:
+
+1. one read of the row: its max (NaN and +inf noted); a greedy row's first maximum (a call's token
+   bitmask is applied where each value is read: an id whose bit is 0 reads as -inf);
+2. the winnable floor and min-p's floor from the max (as `select.win_floor`, `select.min_p_floor`),
+   and a strided estimate of the ids above them against the list's cap;
+3. one read: the ids at or above the floor listed with fl(z / T), and for top-p rows whose total can
+   include ids below the list, those ids counted in three bands (a bound on their mass: the exact
+   value is needed only where the bound leaves the crossing undecided);
+4. on the list: p = exp(v - max) by ATen's own exp kernel (the bits of the definition's torch.exp),
+   min-p, top-k's k-th value, top-p's crossing found in growing upper sets of the kept ids, sorted;
+5. the Gumbel argmax: approximate noise (most ids of a long list are passed over by their noise
+   index alone), the definition's noise (ATen's float64 log, one call per batch) for the ids within
+   the approximate scores' error margin of the best, lowest id on ties.
+
+A row the pass cannot finish exactly (NaN or +inf, no id left, z / T overflowing or underflowing, a
+list over its cap, top-k's k-th value below the list on a row whose top-p total needs the ids below
+it, a crossing the tail bound leaves undecided) marks the call for the general routes, which then
+run it from the start on the logits as they were. Each thread's lists grow to the longest list it has
+held (at most the cap) and are kept from call to call where they are at most a quarter of the logits
+its rows held (a steady batch allocates nothing; a single row's list is released after the call);
+`scratch_bytes` is what the last call's threads held at their largest.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core import rng
+from ...state import SamplerState
+from . import native
+from .config import TorchStepConfig
+
+
+def available(compiled: bool, config: TorchStepConfig) -> bool:
+    """Whether a step may take the fused route: a compiling sampler, `config.fused_route`, and the
+    C++ pass loaded (built on first use: `native`)."""
+    return compiled and config.fused_route and native.sample_op() is not None
+
+
+def list_cap(vocab: int, config: TorchStepConfig) -> int:
+    """The longest list per row before the row needs the general routes (as `candidates.measure_rows`)."""
+    return min(config.candidate_cap, max(1024, vocab // 8))
+
+
+def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState, config: TorchStepConfig,
+                token_bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 6-11 for every row of z.
+
+    Parameters
+    ----------
+    z: float32 [B, V] on the CPU, contiguous rows: the rows after the plan's cell edits (-inf = removed).
+    slots: int64 [B], each row's slot in `state` (its temperature, min-p, top-k, top-p, seed,
+        position and stream).
+    config: the step's config (the list's cap).
+    token_bitmask: int32 [B, >= ceil(V / 32)] in xgrammar's layout (bit j of word w allows id 32 w + j),
+        or None: each id whose bit is 0 is read as removed (-inf).
+
+    Returns
+    -------
+    (tokens int64 [B], general bool [B]): the token of every row not marked general, which is exactly
+    the definition's; a row marked general needs the general routes.
+
+    Example
+    -------
+    >>> tokens, general = sample_rows(logits, torch.arange(2), state, DEFAULT)  # doctest: +SKIP
+    """
+    op = native.sample_op()
+    assert op is not None, "fused.sample_rows needs the C++ pass (fused.available)"
+    if token_bitmask is not None and token_bitmask.stride(-1) != 1:
+        token_bitmask = token_bitmask.contiguous()
+    return op(z, slots, state.temperature, state.min_p, state.top_k, state.top_p, state.seed, state.position,
+              state.stream, list_cap(z.shape[1], config), rng.GUMBEL_MIN, rng.GUMBEL_MAX, token_bitmask)
+
+
+def scratch_bytes() -> int:
+    """Bytes the last fused call's threads held in their lists, at their largest (0 where it never ran)."""
+    ops = native.sample_op()
+    return 0 if ops is None else int(torch.ops.tokensampler_native.scratch_bytes())

@@ -1,0 +1,764 @@
+// Steps 6-11 for whole rows in one C++ pass per row (backends/torch_step/fused.py calls this; native.py
+// builds it with native_gather.cpp into one library).
+//
+// sample_rows(z, slots, temperature, min_p, top_k, top_p, seed, position, stream, cap, gumbel_min,
+// gumbel_max, bitmask) -> (tokens int64 [B], general bool [B]).
+//
+// z: float32 [B, V] with contiguous rows, the rows after the plan's cell edits (-inf = removed);
+// bitmask (optional): int32 [B, >= ceil(V / 32)] in xgrammar's layout, each id whose bit is 0 read as
+// -inf (the token bitmask of steps 3, applied where each value is read). The parameter columns are
+// the sampler state's, indexed by slots[b]. For each row:
+//
+// 1. one read: the row max m (NaN and +inf noted), and for a greedy row (T = 0) the first id equal to m;
+// 2. zt_max = fl(m / T); `lower` = the value below which no id can win the Gumbel argmax (raised to
+//    min-p's floor); a strided sample of the row estimates the ids above it;
+// 3. one read: every id with z >= the undivided floor listed with fl(z / T) (one IEEE division, as
+//    torch's), and, where top-p's total can include ids below the list, the ids in three bands below
+//    it counted (a bound on the mass below the list: the float32 exp of each is never computed);
+// 4. on the list: p = exp(v - zt_max) by ATen's own exp (the same kernel, the same bits as the
+//    definition's torch.exp), min-p (p >= min_p), top-k (the k-th largest value), top-p (the list's
+//    kept mass; the crossing found by a partial sort in descending order, grouping equal values); with
+//    the total known only within [list mass, list mass + tail bound], the crossing is taken only where
+//    both ends give the same one;
+// 5. the Gumbel argmax on the kept ids: approximate float32 noise first, then the definition's noise
+//    (float64 logs by ATen's own log, after the rows' loop: one call for the whole batch) for the ids
+//    within the approximate scores' error margin of the best; lowest id on ties.
+//
+// A row the pass cannot finish exactly is marked general (the caller runs the call on the general
+// routes): NaN or +inf in the row, no id left, z / T overflowing or underflowing, more listed ids than
+// `cap`, top-k's k-th value below the list while top-p needs the mass below it, or a top-p crossing that
+// the tail bound leaves undecided. Rows are shared over torch's intra-op threads (one parallel region).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <numeric>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kPosInf = std::numeric_limits<float>::infinity();
+constexpr int kBands = 3;           // bands below the list counted for top-p's tail bound
+constexpr double kBandWidth = 4.0;  // each band's width in units of z / T
+constexpr float kNoiseError = 1e-4f;  // |approximate - exact| noise, as gumbel.NOISE_ERROR
+
+// ------------------------------------------------------------------ the noise (core/rng.py)
+inline uint32_t mix32(uint32_t x) {
+  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
+}
+
+inline uint32_t hash32(uint32_t x) {
+  x ^= x >> 17; x *= 0xED5AD4BBu; x ^= x >> 11; x *= 0xAC4C1B51u; x ^= x >> 15; x *= 0x31848BABu;
+  return x ^ (x >> 14);
+}
+
+inline uint32_t row_key(int64_t seed, int64_t position, int64_t stream) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  uint32_t key = mix32(static_cast<uint32_t>(s) ^ 0x9E3779B9u);
+  key = mix32(key ^ static_cast<uint32_t>(s >> 32));
+  key = mix32(key ^ static_cast<uint32_t>(static_cast<uint64_t>(position)));
+  return mix32(key ^ static_cast<uint32_t>(static_cast<uint64_t>(stream)));
+}
+
+// g~ within kNoiseError of the exact noise of the same bits (gumbel.approx_gumbel's formula).
+inline float approx_gumbel(uint32_t bits) {
+  const uint32_t k = bits >> 8;
+  const float kf = static_cast<float>(k);
+  const float inner = k < (1u << 23) ? std::log((kf + 0.5f) * 0x1p-24f)
+                                     : std::log1p(((16777216.0f - kf) - 0.5f) * -0x1p-24f);
+  return -std::log(-inner);
+}
+
+// skip_below()[j]: every noise index k below it has exact noise g(k) < j (with a margin of 4 indices and
+// a relative 2^-30 for the float64 logs), for j = 0 .. kSkipLevels - 1.
+constexpr int kSkipLevels = 24;
+
+const uint32_t* skip_below() {
+  static const std::vector<uint32_t> table = [] {
+    std::vector<uint32_t> t(kSkipLevels);
+    for (int j = 0; j < kSkipLevels; ++j) {
+      const double u = std::exp(-std::exp(-static_cast<double>(j))) * (1.0 - 0x1p-30);
+      const double k = std::floor(u * 0x1p24 - 0.5) - 4.0;
+      t[j] = k > 0.0 ? static_cast<uint32_t>(k) : 0u;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// u = ((bits >> 8) + 0.5) / 2^24, exact in float64 (rng.uniform_from_bits).
+inline double uniform(uint32_t bits) { return (static_cast<double>(bits >> 8) + 0.5) * 0x1p-24; }
+
+// ------------------------------------------------------------------ floors (select.py)
+// L such that every id with z / T < L has fl(v + gumbel_max) < fl(zt_max + gumbel_min): it loses to
+// the row's max (always kept) whatever the noise.
+float win_floor(float zt_max, float gmin, float gmax) {
+  const float target = zt_max + gmin;
+  float floor = target - gmax;
+  floor = floor - (std::fabs(floor) * 0x1p-20f + 0x1p-20f);
+  for (int i = 0; i < 64; ++i) {
+    if (!(floor + gmax >= target)) return floor;
+    floor = floor - (std::fabs(floor) * 0x1p-16f + 0x1p-10f);
+  }
+  return kNegInf;
+}
+
+// A value below every v with fl(exp(fl(v - zt_max))) >= min_p.
+float min_p_floor(float zt_max, float min_p) {
+  const double bound = static_cast<double>(zt_max) + std::log(static_cast<double>(min_p)) - 1e-3
+                       - std::fabs(static_cast<double>(zt_max)) * 0x1p-16;
+  return static_cast<float>(bound);
+}
+
+// A bound B on z such that every z with fl(z / T) >= lower has z >= B (candidates.undivided_floor).
+float undivided_floor(float lower, float temperature) {
+  if (std::isinf(lower)) return lower;
+  double wide = lower;
+  wide = (wide - std::fabs(wide) * 0x1p-20) * static_cast<double>(temperature) - 0x1p-100;
+  return std::nextafter(static_cast<float>(wide), kNegInf);
+}
+
+// An upper bound on fl(exp(fl(fl(z / T) - zt_max))) for every z < bound.
+double mass_bound_below(float bound, float temperature, float zt_max) {
+  double v = static_cast<double>(bound) / static_cast<double>(temperature);
+  v += std::fabs(v) * 0x1p-20 + std::fabs(static_cast<double>(zt_max)) * 0x1p-20 + 0x1p-40;
+  return std::exp(v - static_cast<double>(zt_max)) * (1.0 + 0x1p-20);
+}
+
+// ------------------------------------------------------------------ the two reads of a row
+// A row's token bitmask (xgrammar's layout: bit j of word w allows id 32 w + j); words == nullptr: none.
+struct Mask {
+  const uint32_t* words = nullptr;
+  bool allows(int64_t i) const { return words == nullptr || ((words[i >> 5] >> (i & 31)) & 1u); }
+  uint32_t word(int64_t i) const { return words == nullptr ? 0xFFFFFFFFu : words[i >> 5]; }  // i % 32 == 0
+};
+
+// The value an id has after the mask: removed ids are -inf.
+inline float masked(const float* row, int64_t i, const Mask& mask) { return mask.allows(i) ? row[i] : kNegInf; }
+
+#if defined(__AVX2__)
+// The 8 lanes of byte q of a mask word, as float lanes: all ones where the id is allowed.
+inline __m256 allowed_lanes(uint32_t word, int q) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i byte = _mm256_set1_epi32(static_cast<int32_t>((word >> (8 * q)) & 0xFFu));
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(_mm256_and_si256(byte, bits), bits));
+}
+#endif
+struct RowMax {
+  float max;
+  bool nan;
+};
+
+RowMax row_max(const float* row, int64_t vocab, const Mask& mask) {
+  int64_t i = 0;
+  float m = kNegInf;
+  bool nan = false;
+#if defined(__AVX2__)
+  __m256 m0 = _mm256_set1_ps(kNegInf), m1 = m0, unordered = _mm256_setzero_ps();
+  const __m256 minus_inf = _mm256_set1_ps(kNegInf);
+  for (; i + 32 <= vocab; i += 32) {
+    const uint32_t word = mask.word(i);
+    for (int q = 0; q < 4; q += 2) {
+      __m256 a = _mm256_loadu_ps(row + i + 8 * q), b = _mm256_loadu_ps(row + i + 8 * q + 8);
+      if (mask.words != nullptr) {  // removed ids: -inf (a removed NaN is not a NaN of the row)
+        a = _mm256_blendv_ps(minus_inf, a, allowed_lanes(word, q));
+        b = _mm256_blendv_ps(minus_inf, b, allowed_lanes(word, q + 1));
+      }
+      m0 = _mm256_max_ps(m0, a);
+      m1 = _mm256_max_ps(m1, b);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(a, b, _CMP_UNORD_Q));
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_max_ps(m0, m1));
+  for (float x : lanes) m = std::max(m, x);
+  nan = _mm256_movemask_ps(unordered) != 0;
+#endif
+  for (; i < vocab; ++i) {
+    const float x = masked(row, i, mask);
+    if (x != x) nan = true;
+    else if (x > m) m = x;
+  }
+  return {m, nan};
+}
+
+int64_t first_equal(const float* row, int64_t vocab, float value, const Mask& mask) {
+  for (int64_t i = 0; i < vocab; ++i) {
+    if (row[i] == value && mask.allows(i)) return i;
+  }
+  return 0;
+}
+
+// The strided estimate of the ids with z >= floor (one id in 64).
+int64_t estimated_count(const float* row, int64_t vocab, float floor, const Mask& mask) {
+  int64_t hits = 0, samples = 0;
+  for (int64_t i = 0; i < vocab; i += 64, ++samples) hits += masked(row, i, mask) >= floor;
+  return samples == 0 ? 0 : hits * vocab / samples;
+}
+
+// A thread's lists, grown to the longest list it has held (plus 32 entries of slack for the packed
+// stores) and kept from call to call where they are at most a quarter of the logits the thread's rows
+// held (so a steady batch allocates nothing, and one row is not followed by a list near its size).
+// `last_call_bytes`: the lists of the threads of the last call, summed at their largest.
+std::atomic<int64_t> last_call_bytes{0};
+
+struct Scratch {
+  std::vector<float> values, p, approx;
+  std::vector<int32_t> ids, order;  // `approx` doubles as the upper sets' and the heap's work array
+  int64_t bytes() const { return 5 * 4 * static_cast<int64_t>(values.size()); }
+  // room for at least `n` + 32 entries in each array (grown by half again, never past cap + 32)
+  void reserve(int64_t n, int64_t cap) {
+    if (static_cast<int64_t>(values.size()) >= std::min(n, cap) + 32) return;
+    const int64_t want = std::min(std::max<int64_t>(n + n / 2, 1024), cap) + 32;
+    for (auto* f : {&values, &p, &approx}) f->resize(want);
+    for (auto* i : {&ids, &order}) i->resize(want);
+  }
+  void release() {
+    for (auto* f : {&values, &p, &approx}) std::vector<float>().swap(*f);
+    for (auto* i : {&ids, &order}) std::vector<int32_t>().swap(*i);
+  }
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+// The mass top-p's total takes from below the list: the float64 sum of p = exp(fl(fl(z / T) - zt_max))
+// (ATen's exp, a block at a time) over the ids with z < list_floor and z / T >= kept_from (top-k's k-th
+// value, or -inf).
+double exact_tail(const float* row, int64_t vocab, float list_floor, float temperature, float zt_max,
+                  float kept_from, const Mask& mask) {
+  constexpr int64_t kBlock = 4096;
+  thread_local std::vector<float> block(kBlock);
+  double sum = 0.0;
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t len = std::min(kBlock, vocab - start);
+    for (int64_t i = 0; i < len; ++i) {
+      const float x = masked(row, start + i, mask);
+      const float v = x / temperature;
+      block[i] = x < list_floor && v >= kept_from ? v - zt_max : kNegInf;
+    }
+    at::from_blob(block.data(), {len}, at::TensorOptions().dtype(at::kFloat)).exp_();
+    for (int64_t i = 0; i < len; ++i) sum += static_cast<double>(block[i]);
+  }
+  return sum;
+}
+
+// The k-th largest value of a row without NaN (1 <= k <= vocab; -inf counts as a value): one read,
+// a min-heap of the k largest so far (k is at most the list's cap).
+float kth_of_row(const float* row, int64_t vocab, int64_t k, const Mask& mask) {
+  thread_local std::vector<float> work;  // its own array: the lists' pointers stay valid in the caller
+  if (static_cast<int64_t>(work.size()) < k) work.resize(k);
+  float* heap = work.data();
+  for (int64_t i = 0; i < k; ++i) heap[i] = masked(row, i, mask);
+  std::make_heap(heap, heap + k, std::greater<float>());
+  for (int64_t i = k; i < vocab; ++i) {
+    if (row[i] > heap[0] && mask.allows(i)) {
+      std::pop_heap(heap, heap + k, std::greater<float>());
+      heap[k - 1] = row[i];
+      std::push_heap(heap, heap + k, std::greater<float>());
+    }
+  }
+  return heap[0];
+}
+
+#if defined(__AVX2__)
+// left_pack()[m]: the lane indices of the set bits of m (8 bits), in order, for _mm256_permutevar8x32.
+const __m256i* left_pack() {
+  alignas(32) static int32_t table[256][8];
+  static const bool filled = [] {
+    for (int m = 0; m < 256; ++m) {
+      int w = 0;
+      for (int b = 0; b < 8; ++b) if (m & (1 << b)) table[m][w++] = b;
+      for (; w < 8; ++w) table[m][w] = 0;
+    }
+    return true;
+  }();
+  (void)filled;
+  return reinterpret_cast<const __m256i*>(table);
+}
+#endif
+
+// Lists every id with z >= floor (value fl(z / T)) into the scratch, counting in ge[j] the ids with
+// z >= bands[j] where bands are given. Returns the number listed, or -1 past `cap`.
+int64_t list_row(const float* row, int64_t vocab, float floor, float temperature, const float* bands,
+                 int64_t* ge, int64_t cap, Scratch& s, const Mask& mask) {
+  int64_t n = 0, i = 0;
+  float* values = s.values.data();
+  int32_t* ids = s.ids.data();
+#if defined(__AVX2__)
+  const __m256 fv = _mm256_set1_ps(floor);
+  __m256 bv[kBands];
+  __m256i counted[kBands];  // per lane: minus the ids at or above each band (a true compare is -1)
+  for (int j = 0; j < kBands; ++j) {
+    bv[j] = _mm256_set1_ps(bands != nullptr ? bands[j] : kPosInf);
+    counted[j] = _mm256_setzero_si256();
+  }
+  const __m256i* pack = left_pack();
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (; i + 32 <= vocab; i += 32) {  // blocks of 32 ids: a block with a hit packs each 8 left and stores it
+    __m256 x[4];
+    int m[4];
+    const uint32_t word = mask.word(i);
+    for (int q = 0; q < 4; ++q) {
+      x[q] = _mm256_loadu_ps(row + i + 8 * q);
+      m[q] = _mm256_movemask_ps(_mm256_cmp_ps(x[q], fv, _CMP_GE_OQ)) & static_cast<int>((word >> (8 * q)) & 0xFFu);
+      if (bands != nullptr) {
+        for (int j = 0; j < kBands; ++j) {
+          counted[j] = _mm256_add_epi32(counted[j], _mm256_castps_si256(_mm256_cmp_ps(x[q], bv[j], _CMP_GE_OQ)));
+        }
+      }
+    }
+    if ((m[0] | m[1] | m[2] | m[3]) == 0) continue;
+    if (n + 32 > static_cast<int64_t>(s.values.size())) {
+      s.reserve(n, cap);
+      values = s.values.data();
+      ids = s.ids.data();
+    }
+    for (int q = 0; q < 4; ++q) {  // n <= cap here: the scratch has room for 32 more
+      const __m256i perm = _mm256_load_si256(pack + m[q]);
+      _mm256_storeu_ps(values + n, _mm256_permutevar8x32_ps(x[q], perm));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids + n),
+                          _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i + 8 * q)),
+                                           _mm256_permutevar8x32_epi32(lane, perm)));
+      n += __builtin_popcount(static_cast<unsigned>(m[q]));
+    }
+    if (n > cap) return -1;
+  }
+  if (bands != nullptr) {  // lanes hold at most vocab / 8 < 2^31 each
+    alignas(32) int32_t lanes[8];
+    for (int j = 0; j < kBands; ++j) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), counted[j]);
+      for (int32_t c : lanes) ge[j] -= c;
+    }
+  }
+#endif
+  for (; i < vocab; ++i) {
+    const float x = masked(row, i, mask);
+    if (bands != nullptr) {
+      for (int j = 0; j < kBands; ++j) ge[j] += x >= bands[j];
+    }
+    if (x >= floor) {
+      if (n >= cap) return -1;
+      if (n + 1 > static_cast<int64_t>(s.values.size())) {
+        s.reserve(n, cap);
+        values = s.values.data();
+        ids = s.ids.data();
+      }
+      values[n] = x, ids[n] = static_cast<int32_t>(i);
+      ++n;
+    }
+  }
+  if (n > cap) return -1;
+  for (int64_t j = 0; j < n; ++j) values[j] = values[j] / temperature;  // IEEE division, vectorised
+  return n;
+}
+
+// p[j] = exp(values[j] - zt_max) by ATen's exp (bit for bit torch.exp's float32 result).
+void relative_probabilities(Scratch& s, int64_t n, float zt_max) {
+  for (int64_t j = 0; j < n; ++j) s.p[j] = s.values[j] - zt_max;
+  at::from_blob(s.p.data(), {n}, at::TensorOptions().dtype(at::kFloat)).exp_();
+}
+
+// The positions among order[0, count) whose value is at least zt_max - depth, for depths 4, 8, 16, then
+// every one: an upper set of the values (every id above a member is a member), small on peaked rows.
+constexpr float kDepths[] = {4.0f, 8.0f, 16.0f, kPosInf};
+
+int64_t upper_set(const Scratch& s, const int32_t* order, int64_t count, float floor, int32_t* out) {
+  int64_t w = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const int32_t at = order != nullptr ? order[j] : static_cast<int32_t>(j);
+    if (s.values[at] >= floor) out[w++] = at;
+  }
+  return w;
+}
+
+// The k-th largest listed value (1 <= k <= n), searched in the smallest upper set holding k ids.
+float kth_largest(Scratch& s, int64_t n, int64_t k, float zt_max) {
+  int32_t* set = reinterpret_cast<int32_t*>(s.approx.data());  // free until the draw
+  for (float depth : kDepths) {
+    const int64_t m = upper_set(s, nullptr, n, zt_max - depth, set);
+    if (m >= k) {
+      const float* v = s.values.data();
+      std::nth_element(set, set + (k - 1), set + m,
+                       [v](int32_t a, int32_t b) { return v[a] > v[b]; });
+      return v[set[k - 1]];
+    }
+  }
+  return kNegInf;  // unreachable: the last set is the whole list
+}
+
+// Top-p's crossing for two bounds at once (low <= high): the first value, descending, whose group of
+// equal values has at least the bound of kept mass strictly above it; found_* false where no group of
+// the kept ids reaches it. Searched in growing upper sets of the kept ids, each sorted.
+struct Crossing {
+  bool found_low = false, found_high = false;
+  float low = kNegInf, high = kNegInf;
+};
+
+Crossing top_p_crossing(Scratch& s, const int32_t* kept_order, int64_t kept, float zt_max, double bound_low,
+                        double bound_high) {
+  const float* v = s.values.data();
+  const float* p = s.p.data();
+  int32_t* set = reinterpret_cast<int32_t*>(s.approx.data());  // free until the draw
+  for (float depth : kDepths) {
+    const int64_t m = upper_set(s, kept_order, kept, zt_max - depth, set);
+    std::sort(set, set + m, [v](int32_t a, int32_t b) { return v[a] > v[b]; });
+    Crossing c;
+    double running = 0.0;  // the mass of the values strictly above the current group
+    for (int64_t i = 0; i < m;) {
+      const float value = v[set[i]];
+      if (!c.found_low && running >= bound_low) { c.found_low = true; c.low = value; }
+      if (running >= bound_high) { c.found_high = true; c.high = value; return c; }
+      double group = 0.0;
+      int64_t j = i;
+      for (; j < m && v[set[j]] == value; ++j) group += static_cast<double>(p[set[j]]);
+      running += group;
+      i = j;
+    }
+    if (m == kept) return c;
+  }
+  return Crossing{};  // unreachable: the last set is every kept id
+}
+
+struct Exact {
+  std::vector<int32_t> ids;
+  std::vector<float> values;
+  std::vector<uint32_t> bits;
+};
+
+enum class Row { kDone, kGeneral, kNoise };
+
+// Steps 7-11 for one sampled row whose max m is finite. Either the token (kDone), the general routes
+// (kGeneral), or the ids whose exact noise decides (kNoise: `exact` filled).
+Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float temperature, float min_p, int64_t top_k,
+               double top_p, uint32_t key, int64_t cap, float gmin, float gmax, Scratch& s, int64_t& token,
+               Exact& exact) {
+  const float zt_max = m / temperature;
+  if (std::isinf(zt_max)) return Row::kGeneral;  // overflow (+inf rule) or every id underflowing
+  float lower = win_floor(zt_max, gmin, gmax);
+  if (min_p > 0.0f) lower = std::max(lower, min_p_floor(zt_max, min_p));
+  float list_floor = undivided_floor(lower, temperature);
+  bool bounded = false;  // the list's floor raised to top-k's k-th value
+  auto bound_by_top_k = [&]() {  // a row too flat for a list whose top-k bounds it
+    if (bounded || top_k <= 0 || top_k > cap || top_k >= vocab) return false;
+    // the k-th value of z / T is fl(k-th z / T), division being monotone
+    lower = std::max(lower, kth_of_row(row, vocab, top_k, mask) / temperature);
+    list_floor = undivided_floor(lower, temperature);
+    bounded = true;
+    return true;
+  };
+  if (estimated_count(row, vocab, list_floor, mask) > cap && !bound_by_top_k()) return Row::kGeneral;
+  // top-p's total may reach below the list (no min-p; top-k's k-th value may lie below it): the mass
+  // there is bounded by counting the ids below the list in bands
+  const bool open_tail = top_p < 1.0 && min_p <= 0.0f;
+  float bands[kBands];
+  int64_t ge[kBands] = {0, 0, 0};
+  double tail_bound[kBands + 1];
+  auto list = [&]() {  // the list above list_floor, and the bands below it where the tail is open
+    if (open_tail) {
+      float above = list_floor;
+      for (int j = 0; j < kBands; ++j) {
+        bands[j] = static_cast<float>((static_cast<double>(lower) - kBandWidth * (j + 1)) * temperature);
+        bands[j] = std::min(bands[j], std::nextafter(above, kNegInf));
+        tail_bound[j] = mass_bound_below(above, temperature, zt_max);
+        above = bands[j];
+        ge[j] = 0;
+      }
+      tail_bound[kBands] = mass_bound_below(above, temperature, zt_max);
+    }
+    return list_row(row, vocab, list_floor, temperature, open_tail ? bands : nullptr, ge, cap, s, mask);
+  };
+  int64_t n = list();
+  if (n < 0 && bound_by_top_k()) n = list();  // past the cap, the estimate notwithstanding
+  if (n <= 0) return Row::kGeneral;  // past the cap (n = 0 cannot happen: the max is listed)
+  float* v = s.values.data();
+  int32_t* order = s.order.data();
+  // the kept ids, as positions in the list
+  int64_t kept = n;
+  std::iota(order, order + n, 0);
+  const bool needs_p = min_p > 0.0f || top_p < 1.0;
+  if (needs_p) relative_probabilities(s, n, zt_max);
+  if (min_p > 0.0f) {
+    int64_t w = 0;
+    for (int64_t j = 0; j < kept; ++j) {
+      if (s.p[order[j]] >= min_p) order[w++] = order[j];
+    }
+    kept = w;
+  }
+  if (top_k > 0) {
+    if (top_k <= n) {  // the k-th largest of the row is listed
+      const float kth = kth_largest(s, n, top_k, zt_max);
+      int64_t w = 0;
+      for (int64_t j = 0; j < kept; ++j) {
+        if (v[order[j]] >= kth) order[w++] = order[j];
+      }
+      kept = w;
+    }  // else top-k keeps every listed id, and perhaps ids below: within the tail bound
+  }
+  float cut = kNegInf;  // kept: v > cut (top-p), over the ids kept so far
+  bool top_p_cut = false;
+  if (top_p < 1.0) {
+    double part[4] = {0.0, 0.0, 0.0, 0.0};
+    int64_t j = 0;
+    for (; j + 4 <= kept; j += 4) {
+      for (int q = 0; q < 4; ++q) part[q] += static_cast<double>(s.p[order[j + q]]);
+    }
+    for (; j < kept; ++j) part[0] += static_cast<double>(s.p[order[j]]);
+    const double listed = (part[0] + part[1]) + (part[2] + part[3]);
+    double tail = 0.0;
+    if (open_tail && !(top_k > 0 && top_k <= n)) {  // else top-k's k-th value is listed: nothing below is kept
+      const int64_t counts[kBands + 1] = {ge[0] - n, ge[1] - ge[0], ge[2] - ge[1], vocab - ge[2]};
+      for (int j = 0; j <= kBands; ++j) tail += static_cast<double>(counts[j]) * tail_bound[j];
+    }
+    Crossing c = top_p_crossing(s, order, kept, zt_max, top_p * listed, top_p * (listed + tail));
+    if (c.found_low != c.found_high || c.low != c.high) {  // the tail decides: its exact mass
+      const float below_k = top_k > 0 && top_k <= n ? kPosInf  // unreachable: the tail is then closed
+                            : top_k > 0 ? kth_of_row(row, vocab, std::min(top_k, vocab), mask) / temperature : kNegInf;
+      const double total = listed + exact_tail(row, vocab, list_floor, temperature, zt_max, below_k, mask);
+      c = top_p_crossing(s, order, kept, zt_max, top_p * total, top_p * total);
+    }
+    top_p_cut = c.found_high;
+    cut = c.high;
+  }
+  // step 11: approximate scores, then the exact noise within the margin of the best. The row's max
+  // (always kept) gives a bound b0 below its exact score; an id whose value is d >= 1 below b0 needs
+  // noise above floor(d) to beat it, and its noise index k says at once whether it has any
+  // (`skip_below`): most ids of a long list are passed over without a logarithm.
+  int64_t top = 0;
+  while (top < kept && !(v[order[top]] == zt_max)) ++top;
+  const float a_max = zt_max + approx_gumbel(hash32(key ^ static_cast<uint32_t>(s.ids[order[top]])));
+  const float b0 = a_max - (2 * kNoiseError + std::fabs(a_max) * 0x1p-20f + 0x1p-16f);
+  const uint32_t* skip = skip_below();
+  float best = kNegInf;
+  int64_t w = 0;
+  int64_t j = 0;
+#if defined(__AVX2__)
+  if (kept == n && !top_p_cut) {  // every listed id kept, in list order: 8 ids at a time
+    const __m256i key8 = _mm256_set1_epi32(static_cast<int32_t>(key));
+    const __m256 b08 = _mm256_set1_ps(b0), one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+    const __m256 slack = _mm256_set1_ps(1e-3f), top_level = _mm256_set1_ps(static_cast<float>(kSkipLevels - 1));
+    const int* table = reinterpret_cast<const int*>(skip);
+    for (; j + 8 <= n; j += 8) {
+      __m256i x = _mm256_xor_si256(key8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.ids.data() + j)));
+      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 17));
+      x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xED5AD4BBu)));
+      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 11));
+      x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xAC4C1B51u)));
+      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+      x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x31848BABu)));
+      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
+      const __m256 d = _mm256_sub_ps(b08, _mm256_loadu_ps(v + j));
+      const __m256i level = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(d, slack), zero), top_level));
+      const __m256i below = _mm256_cmpgt_epi32(_mm256_i32gather_epi32(table, level, 4), _mm256_srli_epi32(x, 8));
+      const __m256 skipped = _mm256_and_ps(_mm256_cmp_ps(d, one, _CMP_GE_OQ), _mm256_castsi256_ps(below));
+      uint32_t live = ~static_cast<uint32_t>(_mm256_movemask_ps(skipped)) & 0xFFu;
+      while (live) {
+        const int at = static_cast<int>(j) + __builtin_ctz(live);
+        live &= live - 1;
+        const float a = v[at] + approx_gumbel(hash32(key ^ static_cast<uint32_t>(s.ids[at])));
+        s.approx[w] = a;
+        order[w++] = at;
+        best = std::max(best, a);
+      }
+    }
+  }
+#endif
+  for (; j < kept; ++j) {
+    const int32_t at = order[j];
+    if (top_p_cut && !(v[at] > cut)) continue;
+    const uint32_t bits = hash32(key ^ static_cast<uint32_t>(s.ids[at]));
+    const float d = b0 - v[at];
+    if (d >= 1.0f && (bits >> 8) < skip[std::min<int>(static_cast<int>(d - 1e-3f), kSkipLevels - 1)]) continue;
+    const float a = v[at] + approx_gumbel(bits);
+    s.approx[w] = a;
+    order[w++] = at;
+    best = std::max(best, a);
+  }
+  const float margin = 2 * kNoiseError + std::fabs(best) * 0x1p-20f + 0x1p-16f;
+  exact.ids.clear();
+  exact.values.clear();
+  exact.bits.clear();
+  for (int64_t j = 0; j < w; ++j) {
+    if (s.approx[j] >= best - margin) {
+      const int32_t at = order[j];
+      exact.ids.push_back(s.ids[at]);
+      exact.values.push_back(v[at]);
+      exact.bits.push_back(hash32(key ^ static_cast<uint32_t>(s.ids[at])));
+    }
+  }
+  if (exact.ids.size() == 1) {
+    token = exact.ids[0];
+    return Row::kDone;
+  }
+  return Row::kNoise;
+}
+
+std::tuple<at::Tensor, at::Tensor> sample_rows(
+    const at::Tensor& z, const at::Tensor& slots, const at::Tensor& temperature, const at::Tensor& min_p,
+    const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& position,
+    const at::Tensor& stream, int64_t cap, double gumbel_min, double gumbel_max,
+    const c10::optional<at::Tensor>& bitmask) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
+              "z: a CPU float32 [B, V] tensor with contiguous rows");
+  const int64_t rows = z.size(0), vocab = z.size(1), stride = z.stride(0);
+  TORCH_CHECK(vocab < (int64_t{1} << 31), "ids must fit int32");
+  auto column = [rows](const at::Tensor& t, at::ScalarType type, const char* name) {
+    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == type && t.is_contiguous() && t.device().is_cpu(), name,
+                ": a contiguous CPU column of the expected dtype");
+  };
+  column(slots, at::kLong, "slots");
+  TORCH_CHECK(slots.size(0) == rows, "slots: one per row");
+  column(temperature, at::kFloat, "temperature");
+  column(min_p, at::kFloat, "min_p");
+  column(top_k, at::kLong, "top_k");
+  column(top_p, at::kDouble, "top_p");
+  column(seed, at::kLong, "seed");
+  column(position, at::kLong, "position");
+  column(stream, at::kLong, "stream");
+  const uint32_t* words = nullptr;
+  int64_t words_per_row = 0;
+  if (bitmask.has_value()) {
+    TORCH_CHECK(bitmask->dim() == 2 && bitmask->size(0) == rows && bitmask->scalar_type() == at::kInt &&
+                bitmask->stride(1) == 1 && bitmask->device().is_cpu() && bitmask->size(1) * 32 >= vocab,
+                "bitmask: a CPU int32 [B, >= ceil(V / 32)] tensor with contiguous rows");
+    words = reinterpret_cast<const uint32_t*>(bitmask->data_ptr<int32_t>());
+    words_per_row = bitmask->stride(0);
+  }
+  const int64_t num_slots = temperature.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t b = 0; b < rows; ++b) TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "slots: out of range");
+  at::Tensor tokens = at::zeros({rows}, z.options().dtype(at::kLong));
+  at::Tensor general = at::zeros({rows}, z.options().dtype(at::kBool));
+  const float* zp = z.data_ptr<float>();
+  const float* tp = temperature.data_ptr<float>();
+  const float* mp = min_p.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const double* pp = top_p.data_ptr<double>();
+  const int64_t* sp = seed.data_ptr<int64_t>();
+  const int64_t* op = position.data_ptr<int64_t>();
+  const int64_t* st = stream.data_ptr<int64_t>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  bool* gen = general.data_ptr<bool>();
+  const float gmin = static_cast<float>(gumbel_min), gmax = static_cast<float>(gumbel_max);
+  const int64_t list_cap = std::max<int64_t>(cap, 1);
+  std::vector<Exact> exact(rows);
+  std::vector<char> noise(rows, 0);
+  last_call_bytes = 0;
+  // rows are claimed one at a time from a shared counter, not split in fixed halves: a thread that
+  // gets its core late (another process on it) takes fewer rows instead of holding the call up
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, rows, 1, [&](int64_t, int64_t) {
+    Scratch& scratch = thread_scratch();
+    int64_t claimed = 0;
+    for (int64_t b = next++; b < rows; b = next++, ++claimed) {
+      const float* row = zp + b * stride;
+      const int64_t s = slot[b];
+      const Mask mask{words == nullptr ? nullptr : words + b * words_per_row};
+      const RowMax mx = row_max(row, vocab, mask);
+      if (mx.nan || std::isinf(mx.max)) {  // NaN, +inf, or no id left: the general routes
+        gen[b] = true;
+        continue;
+      }
+      const float t = tp[s];
+      if (t == 0.0f) {  // step 6: greedy
+        out[b] = first_equal(row, vocab, mx.max, mask);
+        continue;
+      }
+      int64_t token = 0;
+      const Row r = sample_row(row, mask, vocab, mx.max, t, mp[s], kp[s], pp[s], row_key(sp[s], op[s], st[s]),
+                               std::min<int64_t>(list_cap, vocab), gmin, gmax, scratch, token, exact[b]);
+      if (r == Row::kGeneral) gen[b] = true;
+      else if (r == Row::kDone) out[b] = token;
+      else noise[b] = 1;
+    }
+    if (claimed == 0) return;
+    last_call_bytes += scratch.bytes();  // the lists only grow within a call: this is their largest
+    if (scratch.bytes() > claimed * vocab) scratch.release();  // more than a quarter of its rows' logits
+  });
+  // the exact noise of the ids left in a race: g = float32(-log(-log(u))) by ATen's float64 log
+  int64_t total = 0;
+  for (int64_t b = 0; b < rows; ++b) total += noise[b] ? static_cast<int64_t>(exact[b].ids.size()) : 0;
+  if (total > 0) {
+    at::Tensor u = at::empty({total}, at::TensorOptions().dtype(at::kDouble));
+    double* up = u.data_ptr<double>();
+    int64_t at_ = 0;
+    for (int64_t b = 0; b < rows; ++b) {
+      if (!noise[b]) continue;
+      for (uint32_t bits : exact[b].bits) up[at_++] = uniform(bits);
+    }
+    at::Tensor g = u.log_().neg_().log_().neg_().to(at::kFloat);
+    const float* gp = g.data_ptr<float>();
+    at_ = 0;
+    for (int64_t b = 0; b < rows; ++b) {
+      if (!noise[b]) continue;
+      const Exact& e = exact[b];
+      float best = kNegInf;
+      int64_t winner = std::numeric_limits<int64_t>::max();
+      for (size_t j = 0; j < e.ids.size(); ++j, ++at_) {
+        const float score = e.values[j] + gp[at_];
+        if (score > best || (score == best && e.ids[j] < winner)) {
+          best = score;
+          winner = e.ids[j];
+        }
+      }
+      out[b] = winner;
+    }
+  }
+  return {tokens, general};
+}
+
+int64_t scratch_bytes() { return last_call_bytes.load(); }
+
+// Test hooks: the approximate and exact noise of given bits (tests/torch_step/test_native_sample.py).
+at::Tensor approx_noise(const at::Tensor& bits) {
+  TORCH_CHECK(bits.dim() == 1 && bits.scalar_type() == at::kLong && bits.is_contiguous());
+  at::Tensor out = at::empty({bits.size(0)}, bits.options().dtype(at::kFloat));
+  const int64_t* in = bits.data_ptr<int64_t>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, bits.size(0), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = approx_gumbel(static_cast<uint32_t>(in[i]));
+  });
+  return out;
+}
+
+at::Tensor noise_bits(const at::Tensor& seed, const at::Tensor& position, const at::Tensor& stream,
+                      const at::Tensor& token) {
+  TORCH_CHECK(seed.dim() == 1 && seed.scalar_type() == at::kLong && seed.is_contiguous());
+  TORCH_CHECK(position.sizes() == seed.sizes() && stream.sizes() == seed.sizes() && token.sizes() == seed.sizes());
+  TORCH_CHECK(position.scalar_type() == at::kLong && stream.scalar_type() == at::kLong && token.scalar_type() == at::kLong);
+  at::Tensor out = at::empty_like(seed);
+  const int64_t *s = seed.data_ptr<int64_t>(), *p = position.data_ptr<int64_t>(),
+                *q = stream.data_ptr<int64_t>(), *t = token.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  for (int64_t i = 0; i < seed.size(0); ++i) {
+    o[i] = hash32(row_key(s[i], p[i], q[i]) ^ static_cast<uint32_t>(static_cast<uint64_t>(t[i])));
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokensampler_native, m) {
+  m.def("sample_rows(Tensor z, Tensor slots, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, "
+        "Tensor seed, Tensor position, Tensor stream, int cap, float gumbel_min, float gumbel_max, Tensor? bitmask) "
+        "-> (Tensor, Tensor)");
+  m.def("approx_noise(Tensor bits) -> Tensor");
+  m.def("scratch_bytes() -> int", &scratch_bytes);  // no tensor argument: a catch-all kernel
+  m.def("noise_bits(Tensor seed, Tensor position, Tensor stream, Tensor token) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokensampler_native, CPU, m) {
+  m.impl("sample_rows", &sample_rows);
+  m.impl("approx_noise", &approx_noise);
+  m.impl("noise_bits", &noise_bits);
+}

@@ -1,0 +1,284 @@
+"""The fused route (`fused.sample_rows`, `native_sample.cpp`): token for token the reference's on every
+row it finishes, the rows it cannot finish marked general (and then drawn by the general routes), the
+noise bit for bit the definition's, the route taken by a compiling sampler and its logits left as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokensampler import Sampler, SamplingParams
+from tokensampler.backends.torch_step import fused, gumbel, native
+from tokensampler.backends.torch_step.config import DEFAULT, TorchStepConfig
+from tokensampler.backends.torch_step.routes import Route
+from tokensampler.core import rng
+from tokensampler.state import SamplerState, VocabLayout
+from tokensampler.tools.workloads import make_logits
+
+from ..support.runs import assert_same_output, run_reference, run_sampler
+
+pytestmark = pytest.mark.skipif(native.sample_op() is None, reason="the C++ pass cannot be built here")
+
+NEG_INF = float("-inf")
+
+
+def state_for(params: list[SamplingParams], vocab: int, positions: list[int] | None = None,
+              streams: list[int] | None = None) -> SamplerState:
+    state = SamplerState(len(params), VocabLayout(vocab, vocab), torch.device("cpu"))
+    for slot, p in enumerate(params):
+        position = 0 if positions is None else positions[slot]
+        state.admit(slot, p, p.seed or 0, position, 0 if streams is None else streams[slot], [], [], ())
+    return state
+
+
+def fused_and_reference(logits: torch.Tensor, params: list[SamplingParams], positions: list[int] | None = None,
+                        streams: list[int] | None = None, config: TorchStepConfig = DEFAULT):
+    """(tokens, general, the reference's tokens) for the rows of `logits`."""
+    vocab = logits.shape[1]
+    positions = positions or [0] * len(params)
+    state = state_for(params, vocab, positions, streams)
+    tokens, general = fused.sample_rows(logits, torch.arange(len(params)), state, config)
+    want = run_reference(logits, params, positions=positions, streams=streams)
+    return tokens, general, want.token_ids
+
+
+def random_params(count: int, seed: int) -> list[SamplingParams]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def pick(options):
+        return options[int(torch.randint(len(options), (1,), generator=gen))]
+
+    return [SamplingParams(temperature=pick([0.0, 0.25, 0.7, 1.0, 1.6]), top_k=pick([0, 0, 1, 3, 40, 10**6]),
+                           top_p=pick([1.0, 1.0, 0.3, 0.9, 0.95, 0.9999]), min_p=pick([0.0, 0.0, 0.02, 0.3]),
+                           seed=pick([0, 7, 2**40 + 3, 2**63 + 11]) + row)
+            for row in range(count)]
+
+
+@pytest.mark.parametrize("shape", ["peaked", "flat", "gaussian", "ties"])
+def test_every_finished_row_is_the_references(shape):
+    """Random parameter mixes on four kinds of rows (LLM-shaped, flat, gaussian, and rows of a few repeated
+    values: ties at every threshold); the finished rows are exactly the reference's, and on peaked rows
+    (the common case) nearly every row is finished."""
+    finished = total = 0
+    for trial in range(6):
+        batch, vocab = 16, [3000, 20000, 777][trial % 3]
+        if shape in ("peaked", "flat"):
+            logits = make_logits(batch, vocab, flat=shape == "flat", seed=trial)
+        elif shape == "gaussian":
+            logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(trial)) * (1.0 + trial)
+        else:
+            levels = torch.tensor([9.0, 8.5, 8.5, 7.0, 3.0, 0.0])
+            logits = levels[torch.randint(6, (batch, vocab), generator=torch.Generator().manual_seed(trial))]
+        params = random_params(batch, 100 * trial + len(shape))
+        tokens, general, want = fused_and_reference(logits, params, positions=[trial * 3 + b for b in range(batch)])
+        done = ~general
+        assert torch.equal(tokens[done], want[done]), (trial, tokens[done], want[done])
+        finished += int(done.sum())
+        total += batch
+    if shape == "peaked":
+        assert finished >= 0.9 * total, (finished, total)
+    assert finished > 0
+
+
+def test_rows_it_cannot_finish_exactly_are_marked_general():
+    """NaN, +inf, a row with no id left, z / T overflowing, and a flat row longer than the cap: general;
+    a peaked row beside them, and a flat row whose top-k bounds its list, are finished."""
+    vocab = 20000  # the list's cap: 2,500
+    logits = make_logits(7, vocab, seed=3)
+    logits[0, 17] = float("nan")
+    logits[1, 5] = float("inf")
+    logits[2] = NEG_INF
+    logits[3, 9] = 3e38  # / 0.5 overflows
+    logits[4] = torch.randn(vocab) * 0.01  # flat: every id within the win floor
+    logits[5] = torch.randn(vocab) * 0.01
+    params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2),
+              SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.5, seed=4),
+              SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=1.0, top_k=30, top_p=0.9, seed=6),  # flat, but top-k lists 30 ids
+              SamplingParams(temperature=0.5, top_p=0.9, seed=7)]
+    state = state_for(params, vocab)
+    tokens, general = fused.sample_rows(logits, torch.arange(7), state, DEFAULT)
+    assert general.tolist() == [True] * 5 + [False, False]
+    want = run_reference(logits[5:], params[5:])
+    assert tokens[5:].tolist() == want.token_ids.tolist()
+
+
+def test_a_row_of_tied_scores_is_decided_by_the_exact_noise():
+    """Values chosen as c - g~ (the approximate noise) for 60 ids: every approximate score is within
+    the error margin of the best, so the winner is decided by the definition's noise alone (and the
+    lowest id on exact ties). The draw must be the reference's for many seeds."""
+    vocab, count = 400, 60
+    for seed in range(40):
+        ids = torch.arange(count) * 5 + 3
+        key = rng.row_key(seed, 11, 0)
+        approx = gumbel.approx_gumbel(rng.to_int32_words(rng.random_bits(key, ids)))
+        logits = torch.full((1, vocab), -50.0)
+        logits[0, ids] = 20.0 - approx
+        params = [SamplingParams(temperature=1.0, seed=seed)]
+        tokens, general, want = fused_and_reference(logits, params, positions=[11])
+        assert not bool(general[0]) and int(tokens[0]) == int(want[0]), seed
+
+
+def test_the_noise_bits_are_the_definitions():
+    """The pass's row key and hash equal `rng.random_bits(rng.row_key(...))` for seeds over the whole
+    64-bit range (negative as int64), large positions and streams."""
+    gen = torch.Generator().manual_seed(5)
+    n = 4096
+    seed = torch.randint(-2**63, 2**63 - 1, (n,), generator=gen, dtype=torch.int64)
+    position = torch.randint(0, 2**40, (n,), generator=gen)
+    stream = torch.randint(0, 2**33, (n,), generator=gen)
+    token = torch.randint(0, 2**31 - 1, (n,), generator=gen)
+    got = torch.ops.tokensampler_native.noise_bits(seed, position, stream, token)
+    assert torch.equal(got, rng.random_bits(rng.row_key(seed, position, stream), token))
+
+
+def test_the_approximate_noise_is_within_its_bound_for_every_u():
+    """All 2^24 noise indices: |g~ - g| below `gumbel.NOISE_ERROR`, the margin the exact stage relies on."""
+    bits = torch.arange(2**24, dtype=torch.int64) << 8
+    approx = torch.ops.tokensampler_native.approx_noise(bits)
+    exact = rng.gumbel_from_bits(bits)
+    assert float((approx - exact).abs().max()) < gumbel.NOISE_ERROR
+
+
+def test_top_p_at_a_crossing_the_tail_bound_cannot_decide_takes_the_exact_tail():
+    """Two listed ids (p = 1 and 0.5) above 20,000 distinct ids 20.5-23 below the max (never listed):
+    at top_p just above 1 / 1.5 the second id is kept only because of their mass, which the bands
+    bound but cannot decide, so the pass sums it exactly. With top-k 1000 (its k-th value below the
+    list) only the ids top-k keeps count: a top_p between the two totals keeps the second id with
+    the whole tail but not with top-k's part. Every row the reference's, the second id drawn in some."""
+    vocab = 20002
+    row = torch.cat([torch.tensor([20.0, 20.0 + float(torch.log(torch.tensor(0.5)))]),
+                     -0.5 - 2.5 * torch.rand(vocab - 2, generator=torch.Generator().manual_seed(1))])
+    logits = row.repeat(16, 1)
+    p_tail = torch.exp(row[2:] - 20.0).double()
+    whole, top_k_part = float(p_tail.sum()), float(p_tail.topk(998).values.sum())
+    assert whole > 3 * top_k_part
+    params = [SamplingParams(temperature=1.0, top_p=1.0 / (1.5 + 0.5 * whole), seed=r) for r in range(8)]
+    params += [SamplingParams(temperature=1.0, top_k=1000, top_p=1.0 / (1.5 + 0.5 * (whole + top_k_part)), seed=r)
+               for r in range(8)]
+    tokens, general, want = fused_and_reference(logits, params)
+    assert not bool(general.any())
+    assert torch.equal(tokens, want), (tokens, want)
+    assert 1 in want[:8].tolist() and 1 not in want[8:].tolist(), want
+
+
+def test_a_compiling_sampler_takes_the_fused_route_and_leaves_the_logits_as_they_were():
+    """Penalties (cells written and restored), raw logprobs, a greedy row, padded columns, several
+    steps (positions advancing): the fused route every step, the reference's tokens and logprobs."""
+    vocab, padded = 30000, 30016
+    logits = torch.nn.functional.pad(make_logits(5, vocab, seed=9), (0, padded - vocab), value=40.0)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=3),
+              SamplingParams(temperature=0.7, top_k=20, top_p=0.95, repetition_penalty=1.3, presence_penalty=0.5,
+                             seed=2),
+              SamplingParams(temperature=0.0, frequency_penalty=0.7),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4, logprobs=1),
+              SamplingParams(temperature=0.9, seed=2**64 - 1)]
+    top = logits[:, :vocab].topk(3, dim=-1).indices.tolist()
+    prompts = [[], top[1][:2], top[2][:1], [], []]
+    outputs = [[], [top[1][0]], [top[2][0], top[2][1]], [], [top[4][0]]]
+    sampler = Sampler(vocab, max_slots=5, padded_vocab_size=padded, compile=True, max_logprobs=5)
+    for b, p in enumerate(params):
+        sampler.add_request(b, p, prompts[b], output_token_ids=outputs[b])
+    step = sampler.backends.torch_step
+    for round_ in range(3):
+        got = sampler.sample(logits)
+        want = run_reference(logits, params, prompts=prompts, outputs=outputs, vocab_size=vocab)
+        assert_same_output(want, got)
+        assert torch.equal(logits, before)
+        for b in range(5):
+            outputs[b] = [*outputs[b], int(got.token_ids[b])]
+    assert step.routes_taken[Route.FUSED] == 3
+    assert 0 < step.workspace_bytes <= 5 * 4 * (fused.list_cap(vocab, DEFAULT) + 32) * torch.get_num_threads()
+
+
+def test_a_group_whose_mass_above_equals_the_bound_exactly_is_removed():
+    """p = 1 for the max and 0.5 for each of two tied ids (exact in float32 and float64), top-k 3 keeping
+    just them (the total exactly 2): at top_p 0.5 the bound is exactly the mass above the tied pair,
+    which is therefore removed (the definition's strict `<`): every seed draws the max, as the
+    reference does."""
+    vocab = 3000
+    logits = torch.full((1, vocab), -30.0)
+    logits[0, 10] = 5.0
+    logits[0, [20, 30]] = 5.0 + float(torch.log(torch.tensor(0.5)))
+    assert torch.exp(logits[0, [20, 30]] - 5.0).tolist() == [0.5, 0.5]
+    for seed in range(20):
+        params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.5, seed=seed)]
+        tokens, general, want = fused_and_reference(logits, params)
+        assert not bool(general[0]) and int(tokens[0]) == int(want[0]) == 10, seed
+
+
+def test_a_single_rows_list_is_released_and_a_batchs_kept():
+    """The lists of one 248k row (about 15k ids at T = 1) are more than a quarter of its logits: counted
+    for the call, released after it; a batch of 32 such rows keeps its threads' lists."""
+    vocab = 248320
+    row = make_logits(1, vocab, seed=2)
+    one = [SamplingParams(temperature=1.0, top_p=0.95, seed=1)]
+    fused.sample_rows(row, torch.arange(1), state_for(one, vocab), DEFAULT)
+    listed = fused.scratch_bytes()
+    assert 0.1 * 4 * vocab < listed <= 5 * 4 * (fused.list_cap(vocab, DEFAULT) + 32)
+    batch = make_logits(32, vocab, seed=3)
+    many = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in range(32)]
+    state = state_for(many, vocab)
+    fused.sample_rows(batch, torch.arange(32), state, DEFAULT)
+    first = fused.scratch_bytes()
+    fused.sample_rows(batch, torch.arange(32), state, DEFAULT)
+    assert fused.scratch_bytes() == first  # kept: nothing grew
+
+
+@pytest.mark.parametrize("allowed", [40, 700, 30000])
+def test_a_token_bitmask_is_read_where_each_value_is_read(allowed):
+    """A grammar-like mask (the 32 likeliest ids and random others), with penalties, greedy and
+    top-k/top-p/min-p rows and padded columns: the fused route takes the call, the reference's tokens;
+    rows every id of which the mask removes are drawn by the general routes (their raw greedy id,
+    invalid)."""
+    from tokensampler.reference import ReferenceRequest, bitmask_allowed_ids, reference_sample
+    from tokensampler.tools.workloads import make_bitmask
+    vocab, padded = 40000, 40032
+    logits = torch.nn.functional.pad(make_logits(6, vocab, seed=13), (0, padded - vocab), value=50.0)
+    mask = make_bitmask(logits[:, :vocab], allowed)
+    mask = torch.nn.functional.pad(mask, (0, padded // 32 - mask.shape[1]))  # padded ids: bit 0
+    mask[5] = 0  # nothing allowed
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1),
+              SamplingParams(temperature=0.0, presence_penalty=0.5),
+              SamplingParams(temperature=1.0, top_k=20, top_p=0.95, repetition_penalty=1.2, seed=3),
+              SamplingParams(temperature=1.0, min_p=0.05, seed=4),
+              SamplingParams(temperature=0.7, seed=5),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=6)]
+    top = logits[:, :vocab].topk(2, dim=-1).indices.tolist()
+    prompts = [[], top[1], top[2], [], [], []]
+    sampler = Sampler(vocab, max_slots=6, padded_vocab_size=padded, compile=True)
+    for b, p in enumerate(params):
+        sampler.add_request(b, p, prompts[b])
+    got = sampler.sample(logits, token_bitmask=mask)
+    requests = [ReferenceRequest(p, p.seed or 0, len(prompts[b]), prompts[b]) for b, p in enumerate(params)]
+    want = reference_sample(logits, requests, vocab_size=vocab, allowed=bitmask_allowed_ids(mask, vocab))
+    assert_same_output(want, got)
+    assert got.valid.tolist() == [True] * 5 + [False]
+    assert sampler.backends.torch_step.routes_taken[Route.FUSED] == 1
+
+
+def test_only_the_rows_it_cannot_finish_take_the_general_routes(monkeypatch):
+    """A NaN in one row of 6: that row alone runs on the general routes (a plan of its own), the
+    others keep the fused pass's tokens; every row the reference's. A call with no row it can finish
+    runs on the general routes whole."""
+    from tokensampler.backends.torch_step import step as step_module
+    vocab = 40000  # T = 0.8 lists about 1,500 ids: within the cap (5,000)
+    logits = make_logits(6, vocab, seed=12)
+    logits[4, 100] = float("nan")
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, logprobs=2) for s in range(6)]
+    sampler = Sampler(vocab, max_slots=6, compile=True)
+    for b, p in enumerate(params):
+        sampler.add_request(b, p, [])
+    batches = []
+    real = step_module.TorchStep._probe
+    monkeypatch.setattr(step_module.TorchStep, "_probe",
+                        lambda self, logits, *a, **k: batches.append(logits.shape[0]) or real(self, logits, *a, **k))
+    got = sampler.sample(logits)
+    assert_same_output(run_reference(logits, params), got)
+    assert batches == [1] and sampler.backends.torch_step.routes_taken[Route.FUSED] == 1
+    nan_rows = make_logits(2, vocab, seed=14)
+    nan_rows[:, 7] = float("nan")
+    batches.clear()
+    assert_same_output(run_reference(nan_rows, params[:2]), run_sampler(nan_rows, params[:2], compile=True))
+    assert batches == [2]
