@@ -83,5 +83,14 @@ def test_loaded_rounds_run_while_the_load_is_on_and_alternate_with_quiet_ones():
     quiet, loaded = bench.time_arms_contended(arms, 3, bench.torch.device("cpu"), load)
     assert all(len(v) == 3 for v in (*quiet.values(), *loaded.values()))
     timed = load.calls[2:]  # after one warm-up call per arm (quiet)
-    assert timed == [("a", False), ("b", False), ("a", True), ("b", True)] * 3
+    ab, ba = [("a", False), ("b", False), ("a", True), ("b", True)], [("b", False), ("a", False), ("b", True), ("a", True)]
+    assert timed == ab + ba + ab  # the order rotated from round to round
     assert not load.is_on
+
+
+def test_the_arms_order_rotates_from_round_to_round():
+    """Each arm follows each other one equally often: round r starts at arm r mod n."""
+    calls = []
+    arms = {name: (lambda n=name: calls.append(n)) for name in "abc"}
+    bench.time_arms(arms, 3, bench.torch.device("cpu"), warmup=0)
+    assert "".join(calls) == "abcbcacab"

@@ -131,8 +131,11 @@ def _synchronize(device: torch.device) -> None:
 
 
 def time_arms(arms: dict, rounds: int, device: torch.device, warmup: int = 1) -> dict[str, list[float]]:
-    """Milliseconds per call of each arm, alternating arms within each round. An arm is a callable,
-    or a (setup, callable) pair whose setup runs untimed before each call."""
+    """Milliseconds per call of each arm, alternating arms within each round, the order rotated from
+    round to round (round r starts at arm r mod n): each arm follows each other one equally often, so
+    none always runs in what one arm leaves behind (the sort pipeline's large temporaries slowed the
+    next arm's reads of a single row 3-4x). An arm is a callable, or a (setup, callable) pair whose
+    setup runs untimed before each call."""
     arms = {name: fn if isinstance(fn, tuple) else (None, fn) for name, fn in arms.items()}
     for setup, fn in arms.values():
         for _ in range(warmup):
@@ -140,8 +143,10 @@ def time_arms(arms: dict, rounds: int, device: torch.device, warmup: int = 1) ->
                 setup()
             fn()
     times: dict[str, list[float]] = {name: [] for name in arms}
-    for _ in range(rounds):
-        for name, (setup, fn) in arms.items():
+    names = list(arms)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            setup, fn = arms[name]
             if setup is not None:  # untimed preparation, e.g. a fresh copy of an input edited in place
                 setup()
             _synchronize(device)
@@ -159,11 +164,12 @@ def time_arms_contended(arms: dict, rounds: int, device: torch.device,
     quiet: dict[str, list[float]] = {name: [] for name in arms}
     contended: dict[str, list[float]] = {name: [] for name in arms}
     for r in range(rounds):
-        for name, values in time_arms(arms, 1, device, warmup=1 if r == 0 else 0).items():
+        rotated = dict(list(arms.items())[r % len(arms):] + list(arms.items())[:r % len(arms)])
+        for name, values in time_arms(rotated, 1, device, warmup=1 if r == 0 else 0).items():
             quiet[name] += values
         load.on()
         try:
-            for name, values in time_arms(arms, 1, device, warmup=0).items():
+            for name, values in time_arms(rotated, 1, device, warmup=0).items():
                 contended[name] += values
         finally:
             load.off()

@@ -7,7 +7,7 @@ fused pass does a row's whole work in one function, and a batch's in one paralle
 1. one read of the row: its max (NaN and +inf noted); a greedy row's first maximum (a call's token
    bitmask is applied where each value is read: an id whose bit is 0 reads as -inf);
 2. the winnable floor and min-p's floor from the max (as `select.win_floor`, `select.min_p_floor`),
-   and a strided estimate of the ids above them against the list's cap;
+   and a strided estimate of the ids above them against the list's cap (`list_cap`);
 3. one read: the ids at or above the floor listed with fl(z / T), and for top-p rows whose total can
    include ids below the list, those ids counted in three bands (a bound on their mass: the exact
    value is needed only where the bound leaves the crossing undecided);
@@ -21,8 +21,9 @@ A row the pass cannot finish exactly (NaN or +inf, no id left, z / T overflowing
 list over its cap, top-k's k-th value below the list on a row whose top-p total needs the ids below
 it, a crossing the tail bound leaves undecided) marks the call for the general routes, which then
 run it from the start on the logits as they were. Each thread's lists grow to the longest list it has
-held (at most the cap) and are kept from call to call where they are at most a quarter of the logits
-its rows held (a steady batch allocates nothing; a single row's list is released after the call);
+held (at most the cap: 0.45 of a row's fp32 logits) and are kept from call to call where they are at
+most half the fp32 logits of its rows (a steady batch or a single row allocates nothing, and touches
+no fresh page: measured, re-allocating a 248k row's lists after other work cost 0.3 ms a call);
 `scratch_bytes` is what the last call's threads held at their largest.
 """
 
@@ -42,12 +43,15 @@ def available(compiled: bool, config: TorchStepConfig) -> bool:
     return compiled and config.fused_route and native.sample_op() is not None
 
 
-def list_cap(vocab: int, config: TorchStepConfig) -> int:
-    """The longest list per row before the row needs the general routes (as `candidates.measure_rows`)."""
-    return min(config.candidate_cap, max(1024, vocab // 8))
+def list_cap(vocab: int) -> int:
+    """The longest list per row before the row needs the general routes: 9% of the vocabulary (at least
+    1,024). At 20 bytes per listed id that is 0.45 of the row's float32 logits: a single row's lists
+    stay within half a logits buffer, and a 248k-vocabulary row at T = 1 (about 15,500 ids above its
+    winnable floor) is listed."""
+    return max(1024, 9 * vocab // 100)
 
 
-def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState, config: TorchStepConfig,
+def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
                 token_bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 6-11 for every row of z.
 
@@ -56,7 +60,6 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState, confi
     z: float32 [B, V] on the CPU, contiguous rows: the rows after the plan's cell edits (-inf = removed).
     slots: int64 [B], each row's slot in `state` (its temperature, min-p, top-k, top-p, seed,
         position and stream).
-    config: the step's config (the list's cap).
     token_bitmask: int32 [B, >= ceil(V / 32)] in xgrammar's layout (bit j of word w allows id 32 w + j),
         or None: each id whose bit is 0 is read as removed (-inf).
 
@@ -67,14 +70,14 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState, confi
 
     Example
     -------
-    >>> tokens, general = sample_rows(logits, torch.arange(2), state, DEFAULT)  # doctest: +SKIP
+    >>> tokens, general = sample_rows(logits, torch.arange(2), state)  # doctest: +SKIP
     """
     op = native.sample_op()
     assert op is not None, "fused.sample_rows needs the C++ pass (fused.available)"
     if token_bitmask is not None and token_bitmask.stride(-1) != 1:
         token_bitmask = token_bitmask.contiguous()
     return op(z, slots, state.temperature, state.min_p, state.top_k, state.top_p, state.seed, state.position,
-              state.stream, list_cap(z.shape[1], config), rng.GUMBEL_MIN, rng.GUMBEL_MAX, token_bitmask)
+              state.stream, list_cap(z.shape[1]), rng.GUMBEL_MIN, rng.GUMBEL_MAX, token_bitmask)
 
 
 def scratch_bytes() -> int:

@@ -205,8 +205,8 @@ int64_t estimated_count(const float* row, int64_t vocab, float floor, const Mask
 }
 
 // A thread's lists, grown to the longest list it has held (plus 32 entries of slack for the packed
-// stores) and kept from call to call where they are at most a quarter of the logits the thread's rows
-// held (so a steady batch allocates nothing, and one row is not followed by a list near its size).
+// stores) and kept from call to call where they are at most half the fp32 logits of the thread's rows
+// (a steady batch, or a single row within the cap, allocates nothing and touches no fresh page).
 // `last_call_bytes`: the lists of the threads of the last call, summed at their largest.
 std::atomic<int64_t> last_call_bytes{0};
 
@@ -683,7 +683,7 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(
     }
     if (claimed == 0) return;
     last_call_bytes += scratch.bytes();  // the lists only grow within a call: this is their largest
-    if (scratch.bytes() > claimed * vocab) scratch.release();  // more than a quarter of its rows' logits
+    if (scratch.bytes() > 2 * claimed * vocab) scratch.release();  // more than half its rows' fp32 logits
   });
   // the exact noise of the ids left in a race: g = float32(-log(-log(u))) by ATen's float64 log
   int64_t total = 0;

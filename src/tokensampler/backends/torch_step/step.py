@@ -178,7 +178,7 @@ class TorchStep:
         undo = (stages.edit_cells(z, stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled),
                                   names) if names else [])
         try:
-            tokens, general = fused.sample_rows(z, index, self.state, self.config, token_bitmask)
+            tokens, general = fused.sample_rows(z, index, self.state, token_bitmask)
         finally:
             stages.restore_cells(z, undo)
         valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
