@@ -83,7 +83,8 @@ def test_loaded_rounds_run_while_the_load_is_on_and_alternate_with_quiet_ones():
     quiet, loaded = bench.time_arms_contended(arms, 3, bench.torch.device("cpu"), load)
     assert all(len(v) == 3 for v in (*quiet.values(), *loaded.values()))
     timed = load.calls[2:]  # after one warm-up call per arm (quiet)
-    ab, ba = [("a", False), ("b", False), ("a", True), ("b", True)], [("b", False), ("a", False), ("b", True), ("a", True)]
+    ab = [("a", False), ("b", False), ("a", True), ("b", True)]
+    ba = [("b", False), ("a", False), ("b", True), ("a", True)]
     assert timed == ab + ba + ab  # the order rotated from round to round
     assert not load.is_on
 

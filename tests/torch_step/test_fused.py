@@ -263,8 +263,8 @@ def test_a_token_bitmask_is_read_where_each_value_is_read(allowed):
 
 def test_only_the_rows_it_cannot_finish_take_the_general_routes(monkeypatch):
     """A NaN in one row of 6: that row alone runs on the general routes (a plan of its own), the
-    others keep the fused pass's tokens; every row the reference's. A call with no row it can finish
-    runs on the general routes whole."""
+    others keep the fused pass's tokens; every row the reference's. A call with no row it can finish,
+    or with more than a quarter of its rows general, runs on the general routes whole."""
     from tokensampler.backends.torch_step import step as step_module
     vocab = 40000  # T = 0.8 lists about 1,500 ids: within the cap (3,600)
     logits = make_logits(6, vocab, seed=12)
@@ -285,3 +285,7 @@ def test_only_the_rows_it_cannot_finish_take_the_general_routes(monkeypatch):
     batches.clear()
     assert_same_output(run_reference(nan_rows, params[:2]), run_sampler(nan_rows, params[:2], compile=True))
     assert batches == [2]
+    logits[1, 5] = float("nan")  # two rows of six: their copy would pass a quarter of the logits
+    batches.clear()
+    assert_same_output(run_reference(logits, params, positions=[1] * 6), sampler.sample(logits))  # the 2nd token
+    assert batches == [6]

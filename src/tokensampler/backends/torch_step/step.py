@@ -172,8 +172,9 @@ class TorchStep:
         """`Route.FUSED`: the plan's cell edits written into the caller's logits, steps 6-11 of every
         row in one C++ pass (`fused.sample_rows`, reading the token bitmask where it reads a value),
         the cells restored; raw logprobs as on the direct route. Rows the pass marks general take the
-        general routes alone (`_sample` on a copy of their rows, with a plan of them); where every row
-        is general the call continues there whole (`routes.Continue`)."""
+        general routes alone (`_sample` on a copy of their rows, with a plan of them) where they are at
+        most a quarter of the call (the copy stays under a quarter of a logits buffer); else the call
+        continues there whole (`routes.Continue`), the fused pass's tokens dropped."""
         z, names = logits[:, :self.vocab_size], plan.edits()
         undo = (stages.edit_cells(z, stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled),
                                   names) if names else [])
@@ -183,8 +184,8 @@ class TorchStep:
             stages.restore_cells(z, undo)
         valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         rows = general.nonzero().squeeze(-1).tolist() if bool(general.any()) else []
-        if len(rows) == tokens.shape[0]:
-            return routes.Continue(Route.DIRECT, "no row the fused pass can finish exactly")
+        if 4 * len(rows) > tokens.shape[0]:  # their copy would pass a quarter of a logits buffer
+            return routes.Continue(Route.DIRECT, "more than a quarter of the rows need the general routes")
         if rows:  # those rows alone, on the general routes (their own plan; a copy of their logits)
             part = plan_step([plan.rows[b] for b in rows], self.vocab_size, [plan.slots[b] for b in rows])
             mask = None if token_bitmask is None else token_bitmask[rows]
