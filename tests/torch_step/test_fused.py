@@ -289,3 +289,17 @@ def test_only_the_rows_it_cannot_finish_take_the_general_routes(monkeypatch):
     batches.clear()
     assert_same_output(run_reference(logits, params, positions=[1] * 6), sampler.sample(logits))  # the 2nd token
     assert batches == [6]
+
+
+def test_a_top_p_row_too_flat_for_a_list_lists_its_head():
+    """Gaussian rows (std 4, as a small random LM's: tens of thousands of ids can win the race at
+    T = 0.8, top-p 0.9 keeps a few dozen): the pass lists the head of each row, sums the rest exactly,
+    and finishes every row, token for token the reference's; top-p 0.9999 (a crossing below the
+    head) and a temperature-only row stay general."""
+    vocab = 151936
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(21)) * 4.0
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
+    params += [SamplingParams(temperature=0.8, top_p=0.9999, seed=4), SamplingParams(temperature=0.8, seed=5)]
+    tokens, general, want = fused_and_reference(logits, params)
+    assert general.tolist() == [False] * 4 + [True, True]
+    assert torch.equal(tokens[:4], want[:4])

@@ -204,6 +204,18 @@ int64_t estimated_count(const float* row, int64_t vocab, float floor, const Mask
   return samples == 0 ? 0 : hits * vocab / samples;
 }
 
+// A value with about `want` ids of the row at or above it, from the strided sample (one id in 64):
+// the head of a row too flat for a list. -inf where the sample is too small to place it.
+float head_floor(const float* row, int64_t vocab, int64_t want, const Mask& mask) {
+  thread_local std::vector<float> sample;
+  sample.clear();
+  for (int64_t i = 0; i < vocab; i += 64) sample.push_back(masked(row, i, mask));
+  const int64_t rank = want * static_cast<int64_t>(sample.size()) / std::max<int64_t>(vocab, 1);
+  if (rank < 1 || rank >= static_cast<int64_t>(sample.size())) return kNegInf;
+  std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+  return sample[rank];
+}
+
 // A thread's lists, grown to the longest list it has held (plus 32 entries of slack for the packed
 // stores) and kept from call to call where they are at most half the fp32 logits of the thread's rows
 // (a steady batch, or a single row within the cap, allocates nothing and touches no fresh page).
@@ -457,10 +469,20 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
     bounded = true;
     return true;
   };
-  if (estimated_count(row, vocab, list_floor, mask) > cap && !bound_by_top_k()) return Row::kGeneral;
+  // a row too flat for a list of every id that can win: top-k bounds the list by its k-th value; a
+  // top-p row alone lists its head (the ids above a floor the strided sample puts about cap / 2 ids
+  // above), takes its total exactly, and is finished where the crossing lies in the head
+  bool head = false;
+  if (estimated_count(row, vocab, list_floor, mask) > cap && !bound_by_top_k()) {
+    if (!(top_p < 1.0 && min_p <= 0.0f && top_k <= 0)) return Row::kGeneral;
+    const float floor = head_floor(row, vocab, cap / 2, mask);
+    if (!(floor > list_floor)) return Row::kGeneral;
+    list_floor = floor;
+    head = true;
+  }
   // top-p's total may reach below the list (no min-p; top-k's k-th value may lie below it): the mass
-  // there is bounded by counting the ids below the list in bands
-  const bool open_tail = top_p < 1.0 && min_p <= 0.0f;
+  // there is bounded by counting the ids below the list in bands (the head: taken exactly)
+  const bool open_tail = top_p < 1.0 && min_p <= 0.0f && !head;
   float bands[kBands];
   int64_t ge[kBands] = {0, 0, 0};
   double tail_bound[kBands + 1];
@@ -520,7 +542,9 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
       const int64_t counts[kBands + 1] = {ge[0] - n, ge[1] - ge[0], ge[2] - ge[1], vocab - ge[2]};
       for (int j = 0; j <= kBands; ++j) tail += static_cast<double>(counts[j]) * tail_bound[j];
     }
+    if (head) tail = exact_tail(row, vocab, list_floor, temperature, zt_max, kNegInf, mask);
     Crossing c = top_p_crossing(s, order, kept, zt_max, top_p * listed, top_p * (listed + tail));
+    if (head && !c.found_high) return Row::kGeneral;  // the crossing lies below the head
     if (c.found_low != c.found_high || c.low != c.high) {  // the tail decides: its exact mass
       const float below_k = top_k > 0 && top_k <= n ? kPosInf  // unreachable: the tail is then closed
                             : top_k > 0 ? kth_of_row(row, vocab, std::min(top_k, vocab), mask) / temperature : kNegInf;
