@@ -206,13 +206,20 @@ int64_t estimated_count(const float* row, int64_t vocab, float floor, const Mask
 
 // A value with about `want` ids of the row at or above it, from the strided sample (one id in 64):
 // the head of a row too flat for a list. -inf where the sample is too small to place it.
-float head_floor(const float* row, int64_t vocab, int64_t want, const Mask& mask) {
+// `tail_estimate`: the sample's estimate of the mass below that value (p = exp(z / T - zt_max), each
+// sampled id standing for 64): only a guess, used to skip a head whose crossing lies below it.
+float head_floor(const float* row, int64_t vocab, int64_t want, const Mask& mask, float temperature, float zt_max,
+                 double& tail_estimate) {
   thread_local std::vector<float> sample;
   sample.clear();
   for (int64_t i = 0; i < vocab; i += 64) sample.push_back(masked(row, i, mask));
   const int64_t rank = want * static_cast<int64_t>(sample.size()) / std::max<int64_t>(vocab, 1);
   if (rank < 1 || rank >= static_cast<int64_t>(sample.size())) return kNegInf;
   std::nth_element(sample.begin(), sample.begin() + rank, sample.end(), std::greater<float>());
+  tail_estimate = 0.0;
+  for (auto it = sample.begin() + rank + 1; it != sample.end(); ++it) {
+    tail_estimate += 64.0 * std::exp(static_cast<double>(*it) / temperature - zt_max);
+  }
   return sample[rank];
 }
 
@@ -506,9 +513,10 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
   // top-p row alone lists its head (the ids above a floor the strided sample puts about cap / 2 ids
   // above), takes its total exactly, and is finished where the crossing lies in the head
   bool head = false;
+  double tail_guess = 0.0;
   if (estimated_count(row, vocab, list_floor, mask) > cap && !bound_by_top_k()) {
     if (!(top_p < 1.0 && min_p <= 0.0f && top_k <= 0)) return Row::kGeneral;
-    const float floor = head_floor(row, vocab, cap / 2, mask);
+    const float floor = head_floor(row, vocab, cap / 2, mask, temperature, zt_max, tail_guess);
     if (!(floor > list_floor)) return Row::kGeneral;
     list_floor = floor;
     head = true;
@@ -575,6 +583,8 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
       const int64_t counts[kBands + 1] = {ge[0] - n, ge[1] - ge[0], ge[2] - ge[1], vocab - ge[2]};
       for (int j = 0; j <= kBands; ++j) tail += static_cast<double>(counts[j]) * tail_bound[j];
     }
+    // a head whose crossing the sample puts well below it (flat top-p rows): the general routes at once
+    if (head && listed < top_p * (listed + 0.5 * tail_guess)) return Row::kGeneral;
     if (head) tail = exact_tail(row, vocab, list_floor, temperature, zt_max, kNegInf, mask);
     Crossing c = top_p_crossing(s, order, kept, zt_max, top_p * listed, top_p * (listed + tail));
     if (head && !c.found_high) return Row::kGeneral;  // the crossing lies below the head
