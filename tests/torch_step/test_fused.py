@@ -303,3 +303,14 @@ def test_a_top_p_row_too_flat_for_a_list_lists_its_head():
     tokens, general, want = fused_and_reference(logits, params)
     assert general.tolist() == [False] * 4 + [True, True]
     assert torch.equal(tokens[:4], want[:4])
+
+
+def test_a_floor_that_overflows_lists_minus_inf_ids_and_draws_the_references_token():
+    """T = FLT_MAX: z / T is denormal, the undivided floor overflows to -inf and every id is listed, the
+    removed ones (-inf) too; their distance to the best score is +inf, whose noise level must be
+    clamped before it indexes the skip table (found by the compiled adversarial campaign)."""
+    row = torch.tensor([[-1.0, -1.0, -1.0, -1.0, NEG_INF, -1.0, NEG_INF, NEG_INF, NEG_INF]])
+    for seed in range(16):
+        params = [SamplingParams(temperature=3.4028234663852886e38, seed=seed)]
+        tokens, general, want = fused_and_reference(row, params, positions=[12])
+        assert not bool(general[0]) and int(tokens[0]) == int(want[0]), seed

@@ -645,7 +645,10 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
     if (top_p_cut && !(v[at] > cut)) continue;
     const uint32_t bits = hash32(key ^ static_cast<uint32_t>(s.ids[at]));
     const float d = b0 - v[at];
-    if (d >= 1.0f && (bits >> 8) < skip[std::min<int>(static_cast<int>(d - 1e-3f), kSkipLevels - 1)]) continue;
+    // the level clamped as a float first: d may be +inf (a listed -inf, where the floor overflowed)
+    if (d >= 1.0f && (bits >> 8) < skip[static_cast<int>(std::min(d - 1e-3f, static_cast<float>(kSkipLevels - 1)))]) {
+      continue;
+    }
     const float a = v[at] + approx_gumbel(bits);
     s.approx[w] = a;
     order[w++] = at;
