@@ -39,6 +39,27 @@ def test_bounded_campaign_finds_nothing():
     assert total["library_errors"] > 0 and total["reference_rows"] > 1000, message  # invalid input was tried
 
 
+def test_bounded_campaign_through_the_compiled_step_finds_nothing(monkeypatch):
+    """The torch path's CI budget with the samplers compiling (`Sampler(compile=True)`: the fused route
+    and the compiled reductions; the campaign above runs them eager). Its case 11 (T = FLT_MAX, a list
+    floor overflowing to -inf) crashed the fused route before its noise level was clamped."""
+    from tests.support.adversarial import runner
+    from tokensampler.backends.torch_step import step as step_module
+    monkeypatch.setitem(runner.COMPILE, "compile", True)
+    fused_calls = []
+    real = step_module.TorchStep._fused_route
+    monkeypatch.setattr(step_module.TorchStep, "_fused_route",
+                        lambda self, *a, **k: fused_calls.append(1) or real(self, *a, **k))
+    report = run_campaign({"torch": CI_BUDGET["torch"]}, CI_SEED)
+    total = report["total"]
+    message = table(report)
+    assert report["paths"]["torch"]["draws"] >= CI_BUDGET["torch"], message
+    for counter in ("invalid_ids", "mismatches", "other_exceptions", "rejected_valid", "accepted_invalid",
+                    "oracle_disagreements"):
+        assert total[counter] == 0, f"{counter}\n{message}"
+    assert report["failures"] == 0 and len(fused_calls) >= 20, (len(fused_calls), message)  # 26 calls at this seed
+
+
 def test_a_case_is_a_function_of_seed_path_and_index():
     one, two = make_case(3, "torch", 5), make_case(3, "torch", 5)
     assert [r.kwargs for r in one.rows] == [r.kwargs for r in two.rows] and one.slots == two.slots
