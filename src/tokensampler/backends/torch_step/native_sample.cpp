@@ -589,8 +589,8 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
     Crossing c = top_p_crossing(s, order, kept, zt_max, top_p * listed, top_p * (listed + tail));
     if (head && !c.found_high) return Row::kGeneral;  // the crossing lies below the head
     if (c.found_low != c.found_high || c.low != c.high) {  // the tail decides: its exact mass
-      const float below_k = top_k > 0 && top_k <= n ? kPosInf  // unreachable: the tail is then closed
-                            : top_k > 0 ? kth_of_row(row, vocab, std::min(top_k, vocab), mask) / temperature : kNegInf;
+      // undecided only with a tail, so top-k is off or its k-th value lies below the list
+      const float below_k = top_k > 0 ? kth_of_row(row, vocab, std::min(top_k, vocab), mask) / temperature : kNegInf;
       const double total = listed + exact_tail(row, vocab, list_floor, temperature, zt_max, below_k, mask);
       c = top_p_crossing(s, order, kept, zt_max, top_p * total, top_p * total);
     }
