@@ -36,9 +36,17 @@ def fused_and_reference(logits: torch.Tensor, params: list[SamplingParams], posi
     vocab = logits.shape[1]
     positions = positions or [0] * len(params)
     state = state_for(params, vocab, positions, streams)
-    tokens, general = fused.sample_rows(logits, torch.arange(len(params)), state)
+    tokens, general, _ = fused.sample_rows(logits, torch.arange(len(params)), state)
     want = run_reference(logits, params, positions=positions, streams=streams)
     return tokens, general, want.token_ids
+
+
+def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
+    """bool [B, V] -> int32 [B, ceil(V / 32)] in xgrammar's layout (bit j of word w allows id 32 w + j)."""
+    rows, vocab = allowed.shape
+    bits = torch.nn.functional.pad(allowed, (0, -vocab % 32)).reshape(rows, -1, 32).to(torch.int64)
+    words = (bits << torch.arange(32)).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
 
 
 def random_params(count: int, seed: int) -> list[SamplingParams]:
@@ -80,8 +88,8 @@ def test_every_finished_row_is_the_references(shape):
 
 
 def test_rows_it_cannot_finish_exactly_are_marked_general():
-    """NaN, +inf, a row with no id left, z / T overflowing, and a flat row longer than the cap: general;
-    a peaked row beside them, and a flat row whose top-k bounds its list, are finished."""
+    """NaN, +inf, a row with no id left, z / T overflowing, and a flat min-p row longer than the cap:
+    general; a peaked row beside them, and a flat row whose top-k bounds its list, are finished."""
     vocab = 20000  # the list's cap: 1,800
     logits = make_logits(7, vocab, seed=3)
     logits[0, 17] = float("nan")
@@ -92,12 +100,12 @@ def test_rows_it_cannot_finish_exactly_are_marked_general():
     logits[5] = torch.randn(vocab) * 0.01
     params = [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=1.0, seed=2),
               SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0.5, seed=4),
-              SamplingParams(temperature=1.0, seed=5),
+              SamplingParams(temperature=1.0, min_p=0.001, seed=5),  # flat: every id above min-p's floor
               SamplingParams(temperature=1.0, top_k=30, top_p=0.9, seed=6),  # flat, but top-k lists 30 ids
               SamplingParams(temperature=0.5, top_p=0.9, seed=7)]
     state = state_for(params, vocab)
-    tokens, general = fused.sample_rows(logits, torch.arange(7), state)
-    assert general.tolist() == [True] * 5 + [False, False]
+    tokens, general, count = fused.sample_rows(logits, torch.arange(7), state)
+    assert general.tolist() == [True] * 5 + [False, False] and count == 5
     want = run_reference(logits[5:], params[5:])
     assert tokens[5:].tolist() == want.token_ids.tolist()
 
@@ -215,7 +223,7 @@ def test_the_lists_are_counted_for_the_call_and_kept_for_the_next():
     row = make_logits(1, vocab, seed=2)
     one = [SamplingParams(temperature=1.0, top_p=0.95, seed=1)]
     state = state_for(one, vocab)
-    tokens, general = fused.sample_rows(row, torch.arange(1), state)
+    tokens, general, _ = fused.sample_rows(row, torch.arange(1), state)
     listed = fused.scratch_bytes()
     assert not bool(general[0]) and 0.25 * 4 * vocab < listed <= 0.5 * 4 * vocab
     fused.sample_rows(row, torch.arange(1), state)
@@ -295,14 +303,57 @@ def test_a_top_p_row_too_flat_for_a_list_lists_its_head():
     """Gaussian rows (std 4, as a small random LM's: tens of thousands of ids can win the race at
     T = 0.8, top-p 0.9 keeps a few dozen): the pass lists the head of each row, sums the rest exactly,
     and finishes every row, token for token the reference's; top-p 0.9999 (a crossing below the
-    head) and a temperature-only row stay general."""
+    head) and a temperature-only row are finished too (the deep rows' reads)."""
     vocab = 151936
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(21)) * 4.0
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s) for s in range(4)]
     params += [SamplingParams(temperature=0.8, top_p=0.9999, seed=4), SamplingParams(temperature=0.8, seed=5)]
     tokens, general, want = fused_and_reference(logits, params)
-    assert general.tolist() == [False] * 4 + [True, True]
-    assert torch.equal(tokens[:4], want[:4])
+    assert general.tolist() == [False] * 6
+    assert torch.equal(tokens, want)
+
+
+@pytest.mark.parametrize("vocab", [151936, 20000, 4099])
+def test_rows_whose_kept_set_reaches_deep_are_the_references(vocab):
+    """Flat LLM-shaped rows (`make_logits(flat=True)`: top-p 0.9 keeps about 30% of a 152k row) at
+    several temperatures (T = 1 reads z undivided), top-p from 0.3 to 0.9999 and temperature alone,
+    with and without a token bitmask allowing most ids: the histogram and race reads finish every row,
+    token for token the reference's, over many seeds and positions."""
+    gen = torch.Generator().manual_seed(vocab)
+    for trial in range(3):
+        logits = make_logits(8, vocab, flat=True, seed=trial)
+        temperature = [1.0, 0.7, 1.3][trial]
+        params = [SamplingParams(temperature=temperature, top_p=top_p, seed=1000 * trial + row)
+                  for row, top_p in enumerate([0.3, 0.6, 0.9, 0.9, 0.95, 0.99, 0.9999, 1.0])]
+        positions = [trial * 8 + row for row in range(8)]
+        tokens, general, want = fused_and_reference(logits, params, positions=positions)
+        assert not bool(general.any()), (trial, general)
+        assert torch.equal(tokens, want), (trial, tokens, want)
+        allowed = torch.rand(8, vocab, generator=gen) < 0.8
+        mask = pack_bitmask(allowed)
+        state = state_for(params, vocab, positions)
+        tokens, general, _ = fused.sample_rows(logits, torch.arange(8), state, mask)
+        want = run_reference(logits.masked_fill(~allowed, NEG_INF), params, positions=positions).token_ids
+        assert not bool(general.any()) and torch.equal(tokens, want), (trial, tokens, want)
+
+
+def test_a_deep_crossing_whose_mass_above_equals_the_bound_exactly_keeps_only_the_groups_above():
+    """A flat row of three levels with exact masses: 100 ids of p = 1, 198 of p = 0.5, 16,384 of p =
+    2^-14 (total exactly 200). At top-p 0.5 the bound (100) is exactly the mass above the p = 0.5 group,
+    which is removed with everything below (the definition's strict `<`): the crossing's bin is
+    scanned, no group in it reaches the bound, and only the top group is kept. Its head (every id) is
+    past the cap, so the row takes the deep reads at once. Every seed draws a top id, as the reference."""
+    vocab = 100 + 198 + 16384
+    values = torch.full((vocab,), float(torch.log(torch.tensor(2.0**-14))))
+    values[:298] = float(torch.log(torch.tensor(0.5)))
+    values[:100] = 0.0
+    assert torch.exp(values[[0, 150, 500]]).tolist() == [1.0, 0.5, 2.0**-14]
+    logits = values[torch.randperm(vocab, generator=torch.Generator().manual_seed(5))][None, :].contiguous()
+    top = set(torch.nonzero(logits[0] == 0.0).squeeze(-1).tolist())
+    for seed in range(24):
+        params = [SamplingParams(temperature=1.0, top_p=0.5, seed=seed)]
+        tokens, general, want = fused_and_reference(logits, params)
+        assert not bool(general[0]) and int(tokens[0]) == int(want[0]) and int(tokens[0]) in top, seed
 
 
 def test_a_floor_that_overflows_lists_minus_inf_ids_and_draws_the_references_token():

@@ -96,6 +96,7 @@ class SamplerState:
         self.seeds: list[int | None] = [None] * max_slots  # None: no seed (a placeholder row)
         self.drawn: list[bool] = [False] * max_slots      # the seed was drawn for an unseeded request
         self.streams: list[int] = [0] * max_slots
+        self._kept_ones: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # `_ones`
 
     def slot_tensors(self) -> list[torch.Tensor]:
         tensors = [self.temperature, self.top_k, self.top_p, self.min_p, self.presence, self.frequency,
@@ -298,14 +299,16 @@ class SamplerState:
         each recorded token also enters its slot's latest output tokens (a shift by one: O(B x
         history_depth), on the device).
         """
-        ones = torch.ones_like(slots) if mask is None else mask.to(device=slots.device, dtype=torch.int64)
+        ones = self._ones(slots.shape[0], torch.int64) if mask is None else mask.to(device=slots.device,
+                                                                                   dtype=torch.int64)
         if self.layout.split:
             local = tokens - self.layout.offset
             mine = (local >= 0) & (local < self.layout.real_width)
-            columns, counted = local.clamp(0, self.width - 1), mine.to(torch.int64) * ones
+            columns, counted = local.clamp(0, self.width - 1), (mine.to(torch.int64) * ones).to(torch.int32)
         else:
-            columns, counted = tokens, ones
-        self.output_counts.index_put_((slots, columns), counted.to(torch.int32), accumulate=True)
+            columns = tokens
+            counted = self._ones(slots.shape[0], torch.int32) if mask is None else ones.to(torch.int32)
+        self.output_counts.index_put_((slots, columns), counted, accumulate=True)
         self.position.index_add_(0, slots, ones)
         self.output_len.index_add_(0, slots, ones)
         if self.recent_tokens is not None:  # the latest tokens shift by one: O(B * depth)
@@ -322,6 +325,17 @@ class SamplerState:
             self.dry_history[slots] = shifted
         if self.mirostat is not None:
             self._update_mu(slots, mask)
+
+    def _ones(self, count: int, dtype: torch.dtype) -> torch.Tensor:
+        """A [count] tensor of ones on the device, kept per (count, dtype): each step's history update
+        adds it without a fresh allocation (only read, never written)."""
+        key = (count, dtype)
+        kept = self._kept_ones.get(key)
+        if kept is None:
+            if len(self._kept_ones) > 16:
+                self._kept_ones.clear()
+            kept = self._kept_ones[key] = torch.ones(count, dtype=dtype, device=self.device)
+        return kept
 
     def _update_mu(self, slots: torch.Tensor, mask: torch.Tensor | None) -> None:
         """Step 13 for Mirostat: mu -= eta (surprise - tau) on each recorded row whose draw left a

@@ -52,7 +52,7 @@ def list_cap(vocab: int) -> int:
 
 
 def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
-                token_bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                token_bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Steps 6-11 for every row of z.
 
     Parameters
@@ -65,12 +65,13 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
 
     Returns
     -------
-    (tokens int64 [B], general bool [B]): the token of every row not marked general, which is exactly
-    the definition's; a row marked general needs the general routes.
+    (tokens int64 [B], general bool [B], the number of rows marked general): the token of every row
+    not marked general, which is exactly the definition's; a row marked general needs the general
+    routes.
 
     Example
     -------
-    >>> tokens, general = sample_rows(logits, torch.arange(2), state)  # doctest: +SKIP
+    >>> tokens, general, count = sample_rows(logits, torch.arange(2), state)  # doctest: +SKIP
     """
     op = native.sample_op()
     assert op is not None, "fused.sample_rows needs the C++ pass (fused.available)"

@@ -2,7 +2,7 @@
 // builds it with native_gather.cpp into one library).
 //
 // sample_rows(z, slots, temperature, min_p, top_k, top_p, seed, position, stream, cap, gumbel_min,
-// gumbel_max, bitmask) -> (tokens int64 [B], general bool [B]).
+// gumbel_max, bitmask) -> (tokens int64 [B], general bool [B], the number of general rows).
 //
 // z: float32 [B, V] with contiguous rows, the rows after the plan's cell edits (-inf = removed);
 // bitmask (optional): int32 [B, >= ceil(V / 32)] in xgrammar's layout, each id whose bit is 0 read as
@@ -49,6 +49,8 @@ constexpr float kPosInf = std::numeric_limits<float>::infinity();
 constexpr int kBands = 3;           // bands below the list counted for top-p's tail bound
 constexpr double kBandWidth = 4.0;  // each band's width in units of z / T
 constexpr float kNoiseError = 1e-4f;  // |approximate - exact| noise, as gumbel.NOISE_ERROR
+constexpr int64_t kSmallTopK = 256;   // top-k up to this bounds the list first where
+constexpr int64_t kListsPerTopK = 8;  // the strided estimate lists more than this many times k ids
 
 // ------------------------------------------------------------------ the noise (core/rng.py)
 inline uint32_t mix32(uint32_t x) {
@@ -306,20 +308,39 @@ double exact_tail(const float* row, int64_t vocab, float list_floor, float tempe
 }
 
 // The k-th largest value of a row without NaN (1 <= k <= vocab; -inf counts as a value): one read,
-// a min-heap of the k largest so far (k is at most the list's cap).
+// a min-heap of the k largest so far (k is at most the list's cap); 32 ids at a time are compared with
+// the heap's least, and only those above it are offered.
 float kth_of_row(const float* row, int64_t vocab, int64_t k, const Mask& mask) {
   thread_local std::vector<float> work;  // its own array: the lists' pointers stay valid in the caller
   if (static_cast<int64_t>(work.size()) < k) work.resize(k);
   float* heap = work.data();
   for (int64_t i = 0; i < k; ++i) heap[i] = masked(row, i, mask);
   std::make_heap(heap, heap + k, std::greater<float>());
-  for (int64_t i = k; i < vocab; ++i) {
+  auto offer = [&](int64_t i) {
     if (row[i] > heap[0] && mask.allows(i)) {
       std::pop_heap(heap, heap + k, std::greater<float>());
       heap[k - 1] = row[i];
       std::push_heap(heap, heap + k, std::greater<float>());
     }
+  };
+  int64_t i = k;
+#if defined(__AVX2__)
+  for (; i < vocab && i % 32 != 0; ++i) offer(i);
+  for (; i + 32 <= vocab; i += 32) {
+    const __m256 least = _mm256_set1_ps(heap[0]);
+    int above = 0;
+    for (int q = 0; q < 4; ++q) {
+      above |= _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i + 8 * q), least, _CMP_GT_OQ)) << (8 * q);
+    }
+    above &= static_cast<int>(mask.word(i));
+    while (above != 0) {  // ids above the least when the block began: offered in order
+      const int l = __builtin_ctz(static_cast<unsigned>(above));
+      above &= above - 1;
+      offer(i + l);
+    }
   }
+#endif
+  for (; i < vocab; ++i) offer(i);
   return heap[0];
 }
 
@@ -490,6 +511,264 @@ struct Exact {
 
 enum class Row { kDone, kGeneral, kNoise };
 
+// ------------------------------------------------------------------ rows whose kept set reaches deep
+// A row too flat for a list whose kept set is most of it: top-p's crossing below a head of cap / 2
+// ids (top-p alone), or nothing to cut (temperature alone). Two more reads of the row, both of a row
+// the max's read left in the core's cache:
+//
+// 1. (top-p) the histogram read: v = fl(z / T) and p = exp(v - zt_max) (ATen's exp, a block at a
+//    time) for every id, p's float64 mass summed per value bin: kBins bins of 1 / kBinScale below
+//    zt_max, then one bin for every id further down (-inf included). Bins are ranges of values in
+//    order, so the bin where the mass from the top reaches top_p * total holds the crossing (or the
+//    crossing is the first value after it);
+// 2. the race read: the ids of the bins above that one are kept and race (the Gumbel argmax against
+//    the best approximate score so far, the noise skip table at steps of 1 / kFineSteps); the ids of
+//    that bin are listed, sorted and scanned exactly as top_p_crossing does, and those kept race too.
+constexpr int kBins = 4096;
+constexpr float kBinScale = 128.0f;  // bins per unit of z / T: the first kBins span 32 units
+constexpr int kFineSteps = 8;        // the race's skip levels per unit of noise
+constexpr int kFineLevels = kFineSteps * kSkipLevels;
+constexpr int64_t kDeepBlock = 16384;  // ids per ATen exp call of the histogram read
+
+// skip_fine()[j]: every noise index k below it has exact noise g(k) < j / kFineSteps (skip_below's
+// margins).
+const uint32_t* skip_fine() {
+  static const std::vector<uint32_t> table = [] {
+    std::vector<uint32_t> t(kFineLevels);
+    for (int j = 0; j < kFineLevels; ++j) {
+      const double g = static_cast<double>(j) / kFineSteps;
+      const double u = std::exp(-std::exp(-g)) * (1.0 - 0x1p-30);
+      const double k = std::floor(u * 0x1p24 - 0.5) - 4.0;
+      t[j] = k > 0.0 ? static_cast<uint32_t>(k) : 0u;
+    }
+    return t;
+  }();
+  return table.data();
+}
+
+// The bin of a value v <= zt_max: monotone (a larger v never has a larger bin).
+inline int32_t bin_of(float v, float zt_max) {
+  return static_cast<int32_t>(std::min((zt_max - v) * kBinScale, static_cast<float>(kBins)));
+}
+
+// A lower bound on the exact score of an id whose approximate score is a.
+inline float score_floor(float a) { return a - (2 * kNoiseError + std::fabs(a) * 0x1p-20f + 0x1p-16f); }
+
+struct Deep {
+  std::vector<float> v, p;  // the histogram read's block: w = v - zt_max, then p = exp(w)
+  std::vector<double> hist;
+  std::vector<float> racer_v, racer_a;
+  std::vector<int32_t> racer_id;
+};
+
+Deep& thread_deep() {
+  thread_local Deep deep;
+  return deep;
+}
+
+// v = fl(z / T) for 8 ids (T = 1: z itself, the division's exact result, without its cost).
+#if defined(__AVX2__)
+inline __m256 divided(__m256 x, __m256 t, bool unit) { return unit ? x : _mm256_div_ps(x, t); }
+#endif
+
+// The histogram read: hist[0 .. kBins] (float64 masses per bin); returns the total. Per block: w =
+// max(v - zt_max, kLeastExp) written once, p = exp(w) by ATen's exp beside it, then each id's bin
+// (from -w: fl(zt_max - v) = -fl(v - zt_max)) and its mass added.
+double deep_histogram(const float* row, int64_t vocab, float temperature, float zt_max, const Mask& mask,
+                      Deep& d) {
+  d.v.resize(kDeepBlock);
+  d.p.resize(kDeepBlock);
+  d.hist.assign(2 * (kBins + 1), 0.0);  // two interleaved histograms: fewer adds waiting on each other
+  double* h0 = d.hist.data();
+  double* h1 = h0 + (kBins + 1);
+  const bool unit = temperature == 1.0f;
+  float* wb = d.v.data();
+  float* pb = d.p.data();
+  for (int64_t start = 0; start < vocab; start += kDeepBlock) {
+    const int64_t len = std::min(kDeepBlock, vocab - start);
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 t = _mm256_set1_ps(temperature), top = _mm256_set1_ps(zt_max), least = _mm256_set1_ps(kLeastExp);
+    const __m256 minus_inf = _mm256_set1_ps(kNegInf);
+    for (; i + 32 <= len; i += 32) {  // start is a multiple of 32: whole mask words
+      const uint32_t word = mask.word(start + i);
+      for (int q = 0; q < 4; ++q) {
+        __m256 x = _mm256_loadu_ps(row + start + i + 8 * q);
+        if (mask.words != nullptr) x = _mm256_blendv_ps(minus_inf, x, allowed_lanes(word, q));
+        _mm256_storeu_ps(wb + i + 8 * q, _mm256_max_ps(_mm256_sub_ps(divided(x, t, unit), top), least));
+      }
+    }
+#endif
+    for (; i < len; ++i) wb[i] = std::max(masked(row, start + i, mask) / temperature - zt_max, kLeastExp);
+    const auto floats = at::TensorOptions().dtype(at::kFloat);
+    at::Tensor p_block = at::from_blob(pb, {len}, floats);
+    at::exp_out(p_block, at::from_blob(wb, {len}, floats));
+    i = 0;
+#if defined(__AVX2__)
+    const __m256 scale = _mm256_set1_ps(-kBinScale), last = _mm256_set1_ps(static_cast<float>(kBins));
+    alignas(32) int32_t bins[8];
+    for (; i + 8 <= len; i += 8) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(bins),
+                         _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_loadu_ps(wb + i), scale), last)));
+      for (int q = 0; q < 8; q += 2) {
+        h0[bins[q]] += static_cast<double>(pb[i + q]);
+        h1[bins[q + 1]] += static_cast<double>(pb[i + q + 1]);
+      }
+    }
+#endif
+    for (; i < len; ++i) {  // the bin from w: -w = fl(zt_max - v) where w is not clamped, else the last
+      h0[static_cast<int32_t>(std::min(-wb[i] * kBinScale, static_cast<float>(kBins)))] += static_cast<double>(pb[i]);
+    }
+  }
+  double total = 0.0;
+  for (int b = 0; b <= kBins; ++b) {
+    h0[b] += h1[b];
+    total += h0[b];
+  }
+  return total;
+}
+
+// Races an id known to be kept: skipped where its noise index says it cannot reach `best_floor` (a
+// lower bound on the best kept score), else its approximate score is recorded.
+inline void race(float v, int32_t id, uint32_t key, const uint32_t* fine, float& best_floor, Deep& d) {
+  const uint32_t bits = hash32(key ^ static_cast<uint32_t>(id));
+  const float t = (best_floor - v - 1e-3f) * kFineSteps;
+  if (t >= 0.0f && (bits >> 8) < fine[static_cast<int>(std::min(t, static_cast<float>(kFineLevels - 1)))]) return;
+  const float a = v + approx_gumbel(bits);
+  d.racer_v.push_back(v);
+  d.racer_a.push_back(a);
+  d.racer_id.push_back(id);
+  best_floor = std::max(best_floor, score_floor(a));
+}
+
+// Steps 10-11 of a row whose kept set reaches deep (see above): top_p >= 1 keeps every id. The
+// crossing bin's ids are listed in the scratch's lists (at most `cap`, else kGeneral).
+Row deep_row(const float* row, const Mask& mask, int64_t vocab, float temperature, float zt_max, double top_p,
+             uint32_t key, int64_t cap, Scratch& s, int64_t& token, Exact& exact) {
+  Deep& d = thread_deep();
+  int32_t cross_bin = kBins + 1;  // ids in bins before it are kept; those in it are decided by the scan
+  double above = 0.0, bound = 0.0;  // the mass of the bins before cross_bin; top_p * total
+  if (top_p < 1.0) {
+    bound = top_p * deep_histogram(row, vocab, temperature, zt_max, mask, d);
+    int32_t b = 0;
+    for (; b <= kBins; ++b) {
+      if (above + d.hist[b] >= bound) break;
+      above += d.hist[b];
+    }
+    if (b >= kBins) return Row::kGeneral;  // the crossing more than 32 units below the max
+    cross_bin = b;
+  }
+  d.racer_v.clear();
+  d.racer_a.clear();
+  d.racer_id.clear();
+  const uint32_t* fine = skip_fine();
+  float best_floor = kNegInf;
+  int64_t n = 0;  // the crossing bin's ids, listed
+  const bool unit = temperature == 1.0f;
+  s.reserve(std::min<int64_t>(1024, cap), cap);
+  int64_t i = 0;
+#if defined(__AVX2__)
+  {
+    const __m256 t = _mm256_set1_ps(temperature), top = _mm256_set1_ps(zt_max), scale = _mm256_set1_ps(kBinScale);
+    const __m256 last = _mm256_set1_ps(static_cast<float>(kBins)), minus_inf = _mm256_set1_ps(kNegInf);
+    const __m256 slack = _mm256_set1_ps(1e-3f), steps = _mm256_set1_ps(static_cast<float>(kFineSteps));
+    const __m256 zero = _mm256_setzero_ps(), top_level = _mm256_set1_ps(static_cast<float>(kFineLevels - 1));
+    const __m256i cross = _mm256_set1_epi32(cross_bin), key8 = _mm256_set1_epi32(static_cast<int32_t>(key));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    const __m256i* pack = left_pack();
+    const int* table = reinterpret_cast<const int*>(fine);
+    for (; i + 32 <= vocab; i += 32) {
+      const uint32_t word = mask.word(i);
+      for (int q = 0; q < 4; ++q) {
+        __m256 x = _mm256_loadu_ps(row + i + 8 * q);
+        if (mask.words != nullptr) x = _mm256_blendv_ps(minus_inf, x, allowed_lanes(word, q));
+        const __m256 v = divided(x, t, unit);
+        const __m256i bin = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_mul_ps(_mm256_sub_ps(top, v), scale), last));
+        const __m256i base = _mm256_set1_epi32(static_cast<int32_t>(i + 8 * q));
+        const int in_bin = _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(bin, cross)));
+        if (in_bin != 0) {
+          if (n + 8 > cap) return Row::kGeneral;
+          if (n + 8 > static_cast<int64_t>(s.values.size())) s.reserve(n + 8, cap);
+          const __m256i perm = _mm256_load_si256(pack + in_bin);
+          _mm256_storeu_ps(s.values.data() + n, _mm256_permutevar8x32_ps(v, perm));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.ids.data() + n),
+                              _mm256_add_epi32(base, _mm256_permutevar8x32_epi32(lane, perm)));
+          n += __builtin_popcount(static_cast<unsigned>(in_bin));
+        }
+        const __m256i kept = _mm256_cmpgt_epi32(cross, bin);
+        if (_mm256_testz_si256(kept, kept)) continue;
+        __m256i xh = _mm256_xor_si256(key8, _mm256_add_epi32(base, lane));
+        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 17));
+        xh = _mm256_mullo_epi32(xh, _mm256_set1_epi32(static_cast<int32_t>(0xED5AD4BBu)));
+        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 11));
+        xh = _mm256_mullo_epi32(xh, _mm256_set1_epi32(static_cast<int32_t>(0xAC4C1B51u)));
+        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 15));
+        xh = _mm256_mullo_epi32(xh, _mm256_set1_epi32(static_cast<int32_t>(0x31848BABu)));
+        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 14));
+        const __m256 level = _mm256_mul_ps(_mm256_sub_ps(_mm256_sub_ps(_mm256_set1_ps(best_floor), v), slack), steps);
+        const __m256i at = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(level, zero), top_level));
+        const __m256i below = _mm256_cmpgt_epi32(_mm256_i32gather_epi32(table, at, 4), _mm256_srli_epi32(xh, 8));
+        const __m256 skipped = _mm256_and_ps(_mm256_cmp_ps(level, zero, _CMP_GE_OQ), _mm256_castsi256_ps(below));
+        uint32_t live = static_cast<uint32_t>(_mm256_movemask_ps(_mm256_andnot_ps(skipped, _mm256_castsi256_ps(kept))));
+        if (live == 0) continue;
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, v);
+        while (live) {  // the scalar test again, against the floor as it rises
+          const int l = __builtin_ctz(live);
+          live &= live - 1;
+          race(lanes[l], static_cast<int32_t>(i + 8 * q + l), key, fine, best_floor, d);
+        }
+      }
+    }
+  }
+#endif
+  for (; i < vocab; ++i) {
+    const float v = masked(row, i, mask) / temperature;
+    const int32_t bin = bin_of(v, zt_max);
+    if (bin < cross_bin) {
+      race(v, static_cast<int32_t>(i), key, fine, best_floor, d);
+    } else if (bin == cross_bin) {
+      if (n + 1 > cap) return Row::kGeneral;
+      if (n + 1 > static_cast<int64_t>(s.values.size())) s.reserve(n + 1, cap);
+      s.values[n] = v;
+      s.ids[n] = static_cast<int32_t>(i);
+      ++n;
+    }
+  }
+  float cut = kNegInf;  // the crossing bin's ids are kept where v > cut
+  if (n > 0) {  // the crossing bin: its exact scan (the mass still needed within it), then its kept ids race
+    relative_probabilities(s, n, zt_max);
+    int32_t* order = s.order.data();
+    std::iota(order, order + n, 0);
+    const double need = bound - above;  // > 0: the bins above it hold less than the bound
+    const Crossing c = top_p_crossing(s, order, n, zt_max, need, need);
+    if (c.found_high) cut = c.high;  // else the whole bin is kept (the crossing is the next value down)
+    for (int64_t j = 0; j < n; ++j) {
+      if (s.values[j] > cut) race(s.values[j], s.ids[j], key, fine, best_floor, d);
+    }
+  }
+  float best = kNegInf;
+  for (float a : d.racer_a) best = std::max(best, a);
+  const float margin = 2 * kNoiseError + std::fabs(best) * 0x1p-20f + 0x1p-16f;
+  exact.ids.clear();
+  exact.values.clear();
+  exact.bits.clear();
+  for (size_t j = 0; j < d.racer_a.size(); ++j) {
+    if (d.racer_a[j] >= best - margin) {
+      exact.ids.push_back(d.racer_id[j]);
+      exact.values.push_back(d.racer_v[j]);
+      exact.bits.push_back(hash32(key ^ static_cast<uint32_t>(d.racer_id[j])));
+    }
+  }
+  if (exact.ids.empty()) return Row::kGeneral;  // unreachable: the max is kept and finite
+  if (exact.ids.size() == 1) {
+    token = exact.ids[0];
+    return Row::kDone;
+  }
+  return Row::kNoise;
+}
+
+
 // Steps 7-11 for one sampled row whose max m is finite. Either the token (kDone), the general routes
 // (kGeneral), or the ids whose exact noise decides (kNoise: `exact` filled).
 Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float temperature, float min_p, int64_t top_k,
@@ -509,15 +788,20 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
     bounded = true;
     return true;
   };
+  // a small top-k on a row with many more ids above its floor: the list bounded by the k-th value at
+  // once (one read without writes, instead of a long list of which top-k keeps k)
+  const int64_t estimate = estimated_count(row, vocab, list_floor, mask);
+  if (top_k > 0 && top_k <= kSmallTopK && estimate > kListsPerTopK * top_k) bound_by_top_k();
   // a row too flat for a list of every id that can win: top-k bounds the list by its k-th value; a
   // top-p row alone lists its head (the ids above a floor the strided sample puts about cap / 2 ids
   // above), takes its total exactly, and is finished where the crossing lies in the head
   bool head = false;
   double tail_guess = 0.0;
-  if (estimated_count(row, vocab, list_floor, mask) > cap && !bound_by_top_k()) {
-    if (!(top_p < 1.0 && min_p <= 0.0f && top_k <= 0)) return Row::kGeneral;
+  if (!bounded && estimate > cap && !bound_by_top_k()) {
+    if (!(min_p <= 0.0f && top_k <= 0)) return Row::kGeneral;
+    if (top_p >= 1.0) return deep_row(row, mask, vocab, temperature, zt_max, top_p, key, cap, s, token, exact);
     const float floor = head_floor(row, vocab, cap / 2, mask, temperature, zt_max, tail_guess);
-    if (!(floor > list_floor)) return Row::kGeneral;
+    if (!(floor > list_floor)) return deep_row(row, mask, vocab, temperature, zt_max, top_p, key, cap, s, token, exact);
     list_floor = floor;
     head = true;
   }
@@ -543,6 +827,7 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
   };
   int64_t n = list();
   if (n < 0 && bound_by_top_k()) n = list();  // past the cap, the estimate notwithstanding
+  if (n < 0 && head) return deep_row(row, mask, vocab, temperature, zt_max, top_p, key, cap, s, token, exact);
   if (n <= 0) return Row::kGeneral;  // past the cap (n = 0 cannot happen: the max is listed)
   float* v = s.values.data();
   int32_t* order = s.order.data();
@@ -584,10 +869,14 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
       for (int j = 0; j <= kBands; ++j) tail += static_cast<double>(counts[j]) * tail_bound[j];
     }
     // a head whose crossing the sample puts well below it (flat top-p rows): the general routes at once
-    if (head && listed < top_p * (listed + 0.5 * tail_guess)) return Row::kGeneral;
+    if (head && listed < top_p * (listed + 0.5 * tail_guess)) {
+      return deep_row(row, mask, vocab, temperature, zt_max, top_p, key, cap, s, token, exact);
+    }
     if (head) tail = exact_tail(row, vocab, list_floor, temperature, zt_max, kNegInf, mask);
     Crossing c = top_p_crossing(s, order, kept, zt_max, top_p * listed, top_p * (listed + tail));
-    if (head && !c.found_high) return Row::kGeneral;  // the crossing lies below the head
+    if (head && !c.found_high) {  // the crossing lies below the head
+      return deep_row(row, mask, vocab, temperature, zt_max, top_p, key, cap, s, token, exact);
+    }
     if (c.found_low != c.found_high || c.low != c.high) {  // the tail decides: its exact mass
       // undecided only with a tail, so top-k is off or its k-th value lies below the list
       const float below_k = top_k > 0 ? kth_of_row(row, vocab, std::min(top_k, vocab), mask) / temperature : kNegInf;
@@ -673,7 +962,7 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
   return Row::kNoise;
 }
 
-std::tuple<at::Tensor, at::Tensor> sample_rows(
+std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
     const at::Tensor& z, const at::Tensor& slots, const at::Tensor& temperature, const at::Tensor& min_p,
     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& position,
     const at::Tensor& stream, int64_t cap, double gumbel_min, double gumbel_max,
@@ -784,7 +1073,9 @@ std::tuple<at::Tensor, at::Tensor> sample_rows(
       out[b] = winner;
     }
   }
-  return {tokens, general};
+  int64_t general_rows = 0;
+  for (int64_t b = 0; b < rows; ++b) general_rows += gen[b];
+  return {tokens, general, general_rows};
 }
 
 int64_t scratch_bytes() { return last_call_bytes.load(); }
@@ -821,7 +1112,7 @@ at::Tensor noise_bits(const at::Tensor& seed, const at::Tensor& position, const 
 TORCH_LIBRARY_FRAGMENT(tokensampler_native, m) {
   m.def("sample_rows(Tensor z, Tensor slots, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, "
         "Tensor seed, Tensor position, Tensor stream, int cap, float gumbel_min, float gumbel_max, Tensor? bitmask) "
-        "-> (Tensor, Tensor)");
+        "-> (Tensor, Tensor, int)");
   m.def("approx_noise(Tensor bits) -> Tensor");
   m.def("scratch_bytes() -> int", &scratch_bytes);  // no tensor argument: a catch-all kernel
   m.def("noise_bits(Tensor seed, Tensor position, Tensor stream, Tensor token) -> Tensor");

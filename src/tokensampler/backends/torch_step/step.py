@@ -107,6 +107,7 @@ class TorchStep:
         self._z_workspace: torch.Tensor | None = None
         self._p_workspace: torch.Tensor | None = None
         self._fused_loaded: bool | None = None  # the fused route available (`_fused_ready`)
+        self._kept_index: tuple[tuple[int, ...], torch.Tensor] | None = None  # `_slot_index`
         self.routes_taken: Counter = Counter()  # each Route, and each (Thresholds, Values), run
 
     def run(self, logits: torch.Tensor, plan: StepPlan, record: torch.Tensor | None = None,
@@ -119,11 +120,21 @@ class TorchStep:
         bits right after its float32 copy (docs/cpu-fast-path.md)."""
         small = logits.shape[0] * logits.shape[1] <= self.config.single_thread_elements
         with single_threaded() if small else contextlib.nullcontext():  # a row: no second thread to wait for
-            index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
+            index = self._slot_index(plan)
             out = self._sample(logits, index, plan, token_bitmask)
             self.state.record_tokens(index, out.token_ids, record)
         self._p_workspace = None  # the dense route's p buffer lives for one call (measured: no slower)
         return out
+
+    def _slot_index(self, plan: StepPlan) -> torch.Tensor:
+        """int64 [B]: the plan's slots as a tensor, kept for the next call with the same plan (the
+        sampler reuses its plan while the rows' params hold; the steps only read it)."""
+        kept = self._kept_index
+        if kept is not None and kept[0] is plan.slots:
+            return kept[1]
+        index = torch.tensor(plan.slots, dtype=torch.int64, device=self.device)
+        self._kept_index = (plan.slots, index)
+        return index
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
                 token_bitmask: torch.Tensor | None = None, fused_first: bool = True) -> SamplerOutput:
@@ -175,15 +186,16 @@ class TorchStep:
         general routes alone (`_sample` on a copy of their rows, with a plan of them) where they are at
         most a quarter of the call (the copy stays under a quarter of a logits buffer); else the call
         continues there whole (`routes.Continue`), the fused pass's tokens dropped."""
-        z, names = logits[:, :self.vocab_size], plan.edits()
+        z = logits if logits.shape[1] == self.vocab_size else logits[:, :self.vocab_size]
+        names = plan.edits()
         undo = (stages.edit_cells(z, stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled),
                                   names) if names else [])
         try:
-            tokens, general = fused.sample_rows(z, index, self.state, token_bitmask)
+            tokens, general, count = fused.sample_rows(z, index, self.state, token_bitmask)
         finally:
             stages.restore_cells(z, undo)
         valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        rows = general.nonzero().squeeze(-1).tolist() if bool(general.any()) else []
+        rows = general.nonzero().squeeze(-1).tolist() if count else []
         if 4 * len(rows) > tokens.shape[0]:  # their copy would pass a quarter of a logits buffer
             return routes.Continue(Route.DIRECT, "more than a quarter of the rows need the general routes")
         if rows:  # those rows alone, on the general routes (their own plan; a copy of their logits)
