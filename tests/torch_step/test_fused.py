@@ -356,6 +356,46 @@ def test_a_deep_crossing_whose_mass_above_equals_the_bound_exactly_keeps_only_th
         assert not bool(general[0]) and int(tokens[0]) == int(want[0]) and int(tokens[0]) in top, seed
 
 
+def flat_levels(levels: list[tuple[float, int]], order: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [1, V]: each (value, count) level repeated, then 16,384 ids at p = 2^-14 (the row flat:
+    every id can win the race), in `order` (default: a fixed random permutation)."""
+    values = [torch.full((count,), value) for value, count in levels]
+    values.append(torch.full((16384,), float(torch.log(torch.tensor(2.0**-14)))))
+    row = torch.cat(values)
+    order = torch.randperm(row.numel(), generator=torch.Generator().manual_seed(5)) if order is None else order
+    return row[order][None, :].contiguous()
+
+
+def test_a_crossing_inside_its_bin_removes_the_groups_below_it_there():
+    """Two groups of 100 ids 2^-10 apart (one value bin: 1/128 wide) at top-p 0.45: the bin holds the
+    crossing, its exact scan keeps the upper group only (the mass above the lower one, 100, reaches
+    0.45 x 200.9); keeping the whole bin would draw the lower group about half the time."""
+    logits = flat_levels([(0.0, 100), (-2.0**-10, 100)])
+    upper = set(torch.nonzero(logits[0] == 0.0).squeeze(-1).tolist())
+    for seed in range(24):
+        params = [SamplingParams(temperature=1.0, top_p=0.45, seed=seed)]
+        tokens, general, want = fused_and_reference(logits, params)
+        assert not bool(general[0]) and int(tokens[0]) == int(want[0]) and int(tokens[0]) in upper, seed
+
+
+def test_the_crossing_bin_is_chosen_by_the_mass_of_every_id():
+    """100 ids at 0 on odd positions, 100 at -1 on even ones (bins 0 and 128), the flat tail after them:
+    at top-p 0.45 the top group alone reaches the bound (0.45 x 137.8), so the group at -1 is removed.
+    Summing only some ids' masses (the even ones) would move the crossing into the lower group's bin
+    and keep it (drawn about a quarter of the time)."""
+    vocab = 200 + 16384
+    order = torch.empty(vocab, dtype=torch.int64)
+    order[1:200:2] = torch.arange(100)         # the top group: odd positions
+    order[0:200:2] = torch.arange(100, 200)    # the group at -1: even positions
+    order[200:] = torch.arange(200, vocab)
+    logits = flat_levels([(0.0, 100), (-1.0, 100)], order=order)
+    assert torch.equal(logits[0, 1:200:2], torch.zeros(100)) and bool((logits[0, 0:200:2] == -1.0).all())
+    for seed in range(24):
+        params = [SamplingParams(temperature=1.0, top_p=0.45, seed=seed)]
+        tokens, general, want = fused_and_reference(logits, params)
+        assert not bool(general[0]) and int(tokens[0]) == int(want[0]) and int(tokens[0]) % 2 == 1, seed
+
+
 def test_a_floor_that_overflows_lists_minus_inf_ids_and_draws_the_references_token():
     """T = FLT_MAX: z / T is denormal, the undivided floor overflows to -inf and every id is listed, the
     removed ones (-inf) too; their distance to the best score is +inf, whose noise level must be
@@ -365,3 +405,31 @@ def test_a_floor_that_overflows_lists_minus_inf_ids_and_draws_the_references_tok
         params = [SamplingParams(temperature=3.4028234663852886e38, seed=seed)]
         tokens, general, want = fused_and_reference(row, params, positions=[12])
         assert not bool(general[0]) and int(tokens[0]) == int(want[0]), seed
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits"])
+def test_raw_logprobs_on_the_fused_route_come_from_the_pass_statistics(mode, monkeypatch):
+    """A compiling sampler asking raw logprobs (0, 5 and 20, and rows not asking) on a vocabulary whose
+    width is a multiple of neither 16 nor 64 (a tail in the lane sums and a short last chunk; rows whose
+    max is in that tail or at the last id of a chunk), padded:
+    the fused route takes the call and fills the chunk maxima and log S while each row is in cache (no
+    other full-row statistics pass runs); ids, ranks and values are the reference's (values within
+    the documented bound)."""
+    from tokensampler.backends.torch_step import logprobs as logprobs_module
+    vocab, padded = 30011, 30016
+    logits = torch.nn.functional.pad(make_logits(6, vocab, seed=31), (0, padded - vocab), value=9.0)
+    logits[1, 7] = NEG_INF
+    logits[2, vocab - 1] = 30.0  # the row's max in the lane sums' tail
+    logits[4, 127] = logits[5, 64 * 9 + 63] = 30.0  # the row's max at the last id of a chunk
+    asks = [0, 5, 20, None, 20, 3]
+    params = [SamplingParams(temperature=[0.0, 0.8, 1.0, 0.7, 1.2, 0.9][b], top_p=0.9, logprobs=asks[b], seed=b)
+              for b in range(6)]
+    passes = []
+    real = logprobs_module.row_stats
+    monkeypatch.setattr(logprobs_module, "row_stats", lambda *a, **k: passes.append(1) or real(*a, **k))
+    sampler = Sampler(vocab, max_slots=6, padded_vocab_size=padded, logprobs_mode=mode, compile=True)
+    for b, p in enumerate(params):
+        sampler.add_request(b, p, [])
+    got = sampler.sample(logits)
+    assert_same_output(run_reference(logits, params, vocab_size=vocab, logprobs_mode=mode), got)
+    assert sampler.backends.torch_step.routes_taken[Route.FUSED] == 1 and passes == []

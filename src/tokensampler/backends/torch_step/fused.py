@@ -52,7 +52,9 @@ def list_cap(vocab: int) -> int:
 
 
 def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
-                token_bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+                token_bitmask: torch.Tensor | None = None,
+                raw_stats: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Steps 6-11 for every row of z.
 
     Parameters
@@ -62,6 +64,10 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
         position and stream).
     token_bitmask: int32 [B, >= ceil(V / 32)] in xgrammar's layout (bit j of word w allows id 32 w + j),
         or None: each id whose bit is 0 is read as removed (-inf).
+    raw_stats: (maxima float32 [B, ceil(V / logprobs.CHUNK)], log_sum float32 [B] or None, lanes), no
+        token bitmask: filled, for every row not marked general, with the statistics of z as raw
+        scores (`logprobs.RowStats`: chunk maxima, and where lanes > 0 log S summed in ATen's order
+        over that many lanes), read while each row is in cache.
 
     Returns
     -------
@@ -77,8 +83,10 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
     assert op is not None, "fused.sample_rows needs the C++ pass (fused.available)"
     if token_bitmask is not None and token_bitmask.stride(-1) != 1:
         token_bitmask = token_bitmask.contiguous()
+    maxima, log_sum, lanes = (None, None, 0) if raw_stats is None else raw_stats
     return op(z, slots, state.temperature, state.min_p, state.top_k, state.top_p, state.seed, state.position,
-              state.stream, list_cap(z.shape[1]), rng.GUMBEL_MIN, rng.GUMBEL_MAX, token_bitmask)
+              state.stream, list_cap(z.shape[1]), rng.GUMBEL_MIN, rng.GUMBEL_MAX, token_bitmask, maxima, log_sum,
+              lanes)
 
 
 def scratch_bytes() -> int:

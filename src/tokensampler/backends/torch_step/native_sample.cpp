@@ -2,7 +2,10 @@
 // builds it with native_gather.cpp into one library).
 //
 // sample_rows(z, slots, temperature, min_p, top_k, top_p, seed, position, stream, cap, gumbel_min,
-// gumbel_max, bitmask) -> (tokens int64 [B], general bool [B], the number of general rows).
+// gumbel_max, bitmask, stats_maxima, stats_log_sum, stats_lanes) -> (tokens int64 [B], general bool [B],
+// the number of general rows). With stats_maxima given (float32 [B, ceil(V / 64)], no bitmask), each
+// row it does not mark general also gets its raw logprobs' statistics (raw_stats_row): the chunk maxima,
+// and with stats_lanes > 0 log S into stats_log_sum (float32 [B]).
 //
 // z: float32 [B, V] with contiguous rows, the rows after the plan's cell edits (-inf = removed);
 // bitmask (optional): int32 [B, >= ceil(V / 32)] in xgrammar's layout, each id whose bit is 0 read as
@@ -962,11 +965,82 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
   return Row::kNoise;
 }
 
+// ------------------------------------------------------------------ raw logprobs' statistics
+// logprobs.RowStats of a row (float32 scores without NaN or +inf, the max m finite), read while the
+// row is in the core's cache: the max of each run of 64 ids, and with lanes > 0 log S, S = sum exp(x -
+// m) summed as ATen's CPU log_softmax does (logprobs.normaliser): one float32 accumulator per lane,
+// sequential over the row, the tail added to the first lanes, the lanes folded in halves.
+constexpr int64_t kStatsChunk = 64;  // logprobs.CHUNK
+
+void raw_stats_row(const float* row, int64_t vocab, float m, int64_t lanes, float* maxima, float* log_sum) {
+  int64_t c = 0, start = 0;
+#if defined(__AVX2__)
+  for (; start + kStatsChunk <= vocab; ++c, start += kStatsChunk) {  // no NaN: the vector max is exact
+    __m256 m0 = _mm256_max_ps(_mm256_loadu_ps(row + start), _mm256_loadu_ps(row + start + 8));
+    __m256 m1 = _mm256_max_ps(_mm256_loadu_ps(row + start + 16), _mm256_loadu_ps(row + start + 24));
+    __m256 m2 = _mm256_max_ps(_mm256_loadu_ps(row + start + 32), _mm256_loadu_ps(row + start + 40));
+    __m256 m3 = _mm256_max_ps(_mm256_loadu_ps(row + start + 48), _mm256_loadu_ps(row + start + 56));
+    m0 = _mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3));
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m0), _mm256_extractf128_ps(m0, 1));
+    const __m128 q = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    maxima[c] = _mm_cvtss_f32(_mm_max_ss(q, _mm_shuffle_ps(q, q, 1)));
+  }
+#endif
+  for (; start < vocab; ++c, start += kStatsChunk) {
+    const int64_t stop = std::min(start + kStatsChunk, vocab);
+    float best = kNegInf;
+    for (int64_t i = start; i < stop; ++i) best = std::max(best, row[i]);
+    maxima[c] = best;
+  }
+  if (lanes <= 0) return;
+  constexpr int64_t kBlock = 32768;  // a multiple of every lane count
+  thread_local std::vector<float> block(kBlock);
+  float* b = block.data();
+  float acc[16] = {0.0f};
+  const int64_t main = vocab - vocab % lanes;
+  const auto floats = at::TensorOptions().dtype(at::kFloat);
+  for (int64_t start = 0; start < vocab; start += kBlock) {
+    const int64_t len = std::min(kBlock, vocab - start);
+    int64_t i = 0;
+#if defined(__AVX2__)
+    const __m256 top = _mm256_set1_ps(m);
+    for (; i + 8 <= len; i += 8) _mm256_storeu_ps(b + i, _mm256_sub_ps(_mm256_loadu_ps(row + start + i), top));
+#endif
+    for (; i < len; ++i) b[i] = row[start + i] - m;
+    at::from_blob(b, {len}, floats).exp_();
+    const int64_t body = std::max<int64_t>(0, std::min(len, main - start));
+    i = 0;
+#if defined(__AVX2__)
+    // each lane's float32 sum in order, 8 lanes to a register (lanes is 8 or 16)
+    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8);
+    if (lanes == 16) {
+      for (; i + 16 <= body; i += 16) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(b + i));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(b + i + 8));
+      }
+    } else {
+      for (; i + 8 <= body; i += 8) a0 = _mm256_add_ps(a0, _mm256_loadu_ps(b + i));
+    }
+    _mm256_storeu_ps(acc, a0);
+    _mm256_storeu_ps(acc + 8, a1);
+#endif
+    for (; i < body; i += lanes) {
+      for (int64_t l = 0; l < lanes; ++l) acc[l] += b[i + l];
+    }
+    for (int64_t i = body; i < len; ++i) acc[i - body] += b[i];  // the tail, into the first lanes
+  }
+  for (int64_t half = lanes / 2; half >= 1; half /= 2) {
+    for (int64_t l = 0; l < half; ++l) acc[l] = acc[l] + acc[l + half];
+  }
+  *log_sum = std::log(acc[0]);
+}
+
 std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
     const at::Tensor& z, const at::Tensor& slots, const at::Tensor& temperature, const at::Tensor& min_p,
     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& position,
     const at::Tensor& stream, int64_t cap, double gumbel_min, double gumbel_max,
-    const c10::optional<at::Tensor>& bitmask) {
+    const c10::optional<at::Tensor>& bitmask, const c10::optional<at::Tensor>& stats_maxima,
+    const c10::optional<at::Tensor>& stats_log_sum, int64_t stats_lanes) {
   TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
               "z: a CPU float32 [B, V] tensor with contiguous rows");
   const int64_t rows = z.size(0), vocab = z.size(1), stride = z.stride(0);
@@ -992,6 +1066,23 @@ std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
                 "bitmask: a CPU int32 [B, >= ceil(V / 32)] tensor with contiguous rows");
     words = reinterpret_cast<const uint32_t*>(bitmask->data_ptr<int32_t>());
     words_per_row = bitmask->stride(0);
+  }
+  float* maxima_out = nullptr;
+  float* log_sum_out = nullptr;
+  const int64_t chunks = (vocab + kStatsChunk - 1) / kStatsChunk;
+  if (stats_maxima.has_value()) {
+    TORCH_CHECK(!bitmask.has_value(), "raw statistics are of the unmasked rows: no bitmask with them");
+    TORCH_CHECK(stats_maxima->dim() == 2 && stats_maxima->size(0) == rows && stats_maxima->size(1) == chunks &&
+                stats_maxima->scalar_type() == at::kFloat && stats_maxima->is_contiguous(),
+                "stats_maxima: a contiguous float32 [B, ceil(V / 64)] tensor");
+    TORCH_CHECK(stats_lanes == 0 || stats_lanes == 8 || stats_lanes == 16, "stats_lanes: 0, 8 or 16");
+    maxima_out = stats_maxima->data_ptr<float>();
+    if (stats_lanes > 0) {
+      TORCH_CHECK(stats_log_sum.has_value() && stats_log_sum->dim() == 1 && stats_log_sum->size(0) == rows &&
+                  stats_log_sum->scalar_type() == at::kFloat && stats_log_sum->is_contiguous(),
+                  "stats_log_sum: a contiguous float32 [B] tensor");
+      log_sum_out = stats_log_sum->data_ptr<float>();
+    }
   }
   const int64_t num_slots = temperature.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
@@ -1027,6 +1118,10 @@ std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
       if (mx.nan || std::isinf(mx.max)) {  // NaN, +inf, or no id left: the general routes
         gen[b] = true;
         continue;
+      }
+      if (maxima_out != nullptr) {  // the raw scores' statistics while the row is in cache
+        raw_stats_row(row, vocab, mx.max, stats_lanes, maxima_out + b * chunks,
+                      log_sum_out == nullptr ? nullptr : log_sum_out + b);
       }
       const float t = tp[s];
       if (t == 0.0f) {  // step 6: greedy
@@ -1111,8 +1206,8 @@ at::Tensor noise_bits(const at::Tensor& seed, const at::Tensor& position, const 
 
 TORCH_LIBRARY_FRAGMENT(tokensampler_native, m) {
   m.def("sample_rows(Tensor z, Tensor slots, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, "
-        "Tensor seed, Tensor position, Tensor stream, int cap, float gumbel_min, float gumbel_max, Tensor? bitmask) "
-        "-> (Tensor, Tensor, int)");
+        "Tensor seed, Tensor position, Tensor stream, int cap, float gumbel_min, float gumbel_max, Tensor? bitmask, "
+        "Tensor? stats_maxima, Tensor? stats_log_sum, int stats_lanes) -> (Tensor, Tensor, int)");
   m.def("approx_noise(Tensor bits) -> Tensor");
   m.def("scratch_bytes() -> int", &scratch_bytes);  // no tensor argument: a catch-all kernel
   m.def("noise_bits(Tensor seed, Tensor position, Tensor stream, Tensor token) -> Tensor");

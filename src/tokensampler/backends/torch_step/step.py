@@ -190,8 +190,9 @@ class TorchStep:
         names = plan.edits()
         undo = (stages.edit_cells(z, stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled),
                                   names) if names else [])
+        raw_stats = self._fused_raw_stats(z, plan, bool(names) or token_bitmask is not None)
         try:
-            tokens, general, count = fused.sample_rows(z, index, self.state, token_bitmask)
+            tokens, general, count = fused.sample_rows(z, index, self.state, token_bitmask, raw_stats)
         finally:
             stages.restore_cells(z, undo)
         valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
@@ -207,8 +208,30 @@ class TorchStep:
         out = SamplerOutput(tokens, valid, None)
         if plan.wants_logprobs:  # raw scores (processed modes never take this route)
             out.logprobs = LogprobsOutput.empty((logits.shape[0],), plan.logprobs_width, logits.device)
-            self._direct_logprobs(logits, tokens, plan, out.logprobs)
+            if raw_stats is not None and not rows:  # the pass's statistics: gathers only
+                asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
+                maxima, log_sum, _ = raw_stats
+                stats = logprobs.RowStats(maxima[asked], maxima[asked].amax(dim=-1),
+                                          None if log_sum is None else log_sum[asked])
+                self._logprobs(logits, None, tokens, plan, 0, logits.shape[0], out.logprobs, stats)
+            else:
+                self._direct_logprobs(logits, tokens, plan, out.logprobs)
         return out
+
+    def _fused_raw_stats(self, z: torch.Tensor, plan: StepPlan, edited: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+        """Buffers for the fused pass to fill with the raw logprobs' statistics of every row (chunk
+        maxima, log S in ATen's lane order: `logprobs.row_stats`), where the call asks raw logprobs,
+        compiles, and the pass reads the raw scores (no cell edited, no token bitmask); else None."""
+        if not plan.wants_logprobs or edited or not self.compiled or not self.logprobs_mode.startswith("raw"):
+            return None
+        rows, vocab = z.shape
+        lanes = logprobs.fast_normaliser(vocab, True) if self.logprobs_mode == "raw_logprobs" else 0
+        if self.logprobs_mode == "raw_logprobs" and not lanes:
+            return None
+        maxima = torch.empty((rows, -(-vocab // logprobs.CHUNK)), dtype=torch.float32, device=z.device)
+        log_sum = torch.empty(rows, dtype=torch.float32, device=z.device) if lanes else None
+        return maxima, log_sum, lanes
 
     def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
         """The facts `routes.choose_route` needs, measured once on the caller's logits where a route
