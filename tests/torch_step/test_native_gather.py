@@ -157,8 +157,38 @@ def test_the_seen_ids_of_penalised_slots_are_the_torch_compactions(vocab):
         assert got[1].numel() == sum(int(((prompt[s] | (counts[s] != 0))).sum()) for s in slots)
 
 
+@pytest.mark.parametrize("vocab, width", [(33, 33), (1000, 1040), (151936, 151936)])
+def test_the_penalised_cells_are_the_torch_arithmetics_bit_for_bit(vocab, width):
+    """`penalty_cells` against `penalty_edits`' torch operations: rows of zeros of both signs, negative
+    and positive values, NaN and +-inf, penalties of both signs (presence and frequency below zero,
+    repetition below and above one), slots that saw nothing, z a view of a wider buffer: the same
+    cells, each value the same float32 bits."""
+    from tokensampler.backends.torch_step import penalties
+
+    gen = torch.Generator().manual_seed(vocab)
+    slots_total = 5
+    buffer = torch.randn(4, width, generator=gen) * 3.0
+    z = buffer[:, :vocab]
+    z[0, : min(vocab, 8)] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("nan"), float("inf"), -float("inf"),
+                                          3e38])[: min(vocab, 8)]
+    prompt = torch.rand(slots_total, width, generator=gen) < 0.05
+    counts = (torch.rand(slots_total, width, generator=gen) < 0.05).to(torch.int32) * torch.randint(
+        1, 9, (slots_total, width), generator=gen, dtype=torch.int32)
+    prompt[0, :8] = True
+    counts[2] = 0
+    prompt[2] = False  # a slot that has seen nothing
+    repetition = torch.tensor([1.3, 0.7, 1.0, 2.0, 1.1])
+    frequency = torch.tensor([0.4, -0.3, 0.0, 1.7, 0.25])
+    presence = torch.tensor([0.3, -1.1, 0.5, 0.0, -0.6])
+    rows, slots = [0, 1, 2, 3], [0, 4, 2, 1]
+    want = penalties.penalty_edits(z, rows, slots, prompt, counts, repetition, frequency, presence, compiled=False)
+    got = penalties.penalty_edits(z, rows, slots, prompt, counts, repetition, frequency, presence, compiled=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[2].view(torch.int32), want[2].view(torch.int32))
+
+
 def test_a_compiling_sampler_penalises_with_it_as_an_eager_one(monkeypatch):
-    calls = counted(monkeypatch, "seen_op")
+    calls = counted(monkeypatch, "penalty_op")
     vocab = 50_000
     logits = make_logits(4, vocab, flat=False, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(7)

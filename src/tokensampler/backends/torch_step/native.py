@@ -48,12 +48,13 @@ _STATE: dict[str, Any] = {}  # "ops": the loaded library's namespace, or None
 
 
 def _flags() -> list[str]:
-    """Compiler flags: optimised, no fast-math (the division and compare stay IEEE), torch's ABI,
+    """Compiler flags: optimised, no fast-math and no contraction into fused multiply-adds (each
+    division, product and compare stays one IEEE operation, as torch's), torch's ABI,
     OpenMP (at::parallel_for's region; it resolves to the libgomp torch already loaded), AVX2 where
     torch's own kernels use it."""
     from torch.utils import cpp_extension
 
-    flags = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
+    flags = ["-O3", "-ffp-contract=off", "-std=c++20", "-shared", "-fPIC", "-fopenmp", "-w",
              f"-D_GLIBCXX_USE_CXX11_ABI={torch_private.cxx11_abi()}"]
     if platform.machine() in ("x86_64", "AMD64") and torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         flags.append("-mavx2")
@@ -118,6 +119,12 @@ def seen_op() -> Callable | None:
     """`torch.ops.tokensampler_native.seen_ids` (the ids each penalised slot has seen), as `gather_op`."""
     ops = _library()
     return None if ops is None else ops.seen_ids
+
+
+def penalty_op() -> Callable | None:
+    """`torch.ops.tokensampler_native.penalty_cells` (step 5 at the seen ids), as `gather_op`."""
+    ops = _library()
+    return None if ops is None else ops.penalty_cells
 
 
 def bitmask_op() -> Callable | None:

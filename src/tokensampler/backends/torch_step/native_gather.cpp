@@ -196,6 +196,79 @@ std::tuple<at::Tensor, at::Tensor> seen_ids(const at::Tensor& prompt_mask, const
   return {member, ids};
 }
 
+// penalty_cells(z, rows, slots, prompt_mask, output_counts, repetition, frequency, presence): step 5 at
+// every id slots[j] has seen (as seen_ids finds them), for row rows[j] of z, without writing z: (row_index
+// int64 [H], ids int64 [H], values float32 [H]), row after row, ids ascending. Each value in the
+// reference's float32 order (penalties.penalty_edits): v = v > 0 ? v / r : v * r; v = v - f * count;
+// v = v - p * [count > 0] (one rounding per operation, no contraction).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> penalty_cells(
+    const at::Tensor& z, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& prompt_mask,
+    const at::Tensor& output_counts, const at::Tensor& repetition, const at::Tensor& frequency,
+    const at::Tensor& presence) {
+  TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
+              "z: a CPU float32 [B, V] tensor with contiguous rows");
+  TORCH_CHECK(prompt_mask.dim() == 2 && prompt_mask.scalar_type() == at::kBool && prompt_mask.stride(1) == 1
+              && prompt_mask.device().is_cpu() && prompt_mask.size(1) >= z.size(1),
+              "prompt_mask: a CPU bool [S, >= V] tensor with contiguous rows");
+  TORCH_CHECK(output_counts.dim() == 2 && output_counts.scalar_type() == at::kInt && output_counts.stride(1) == 1
+              && output_counts.sizes() == prompt_mask.sizes(), "output_counts: int32 [S, >= V], contiguous rows");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.is_contiguous());
+  TORCH_CHECK(slots.sizes() == rows.sizes() && slots.scalar_type() == at::kLong && slots.is_contiguous());
+  for (const at::Tensor* t : {&repetition, &frequency, &presence}) {
+    TORCH_CHECK(t->dim() == 1 && t->scalar_type() == at::kFloat && t->is_contiguous() &&
+                t->size(0) == prompt_mask.size(0), "penalty columns: contiguous float32 [S]");
+  }
+  const int64_t n = rows.size(0), vocab = z.size(1), num_slots = prompt_mask.size(0);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(sp[j] >= 0 && sp[j] < num_slots && rp[j] >= 0 && rp[j] < z.size(0), "rows, slots: in range");
+  }
+  const float* zp = z.data_ptr<float>();
+  const uint8_t* pm = reinterpret_cast<const uint8_t*>(prompt_mask.data_ptr<bool>());
+  const int32_t* oc = output_counts.data_ptr<int32_t>();
+  const float *rep = repetition.data_ptr<float>(), *freq = frequency.data_ptr<float>(), *pres = presence.data_ptr<float>();
+  std::vector<std::vector<int64_t>> found(n);
+  std::vector<std::vector<float>> values(n);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t s = sp[j];
+      const int32_t* counts = oc + s * output_counts.stride(0);
+      append_seen(pm + s * prompt_mask.stride(0), counts, vocab, found[j]);
+      const float* row = zp + rp[j] * z.stride(0);
+      const float r = rep[s], f = freq[s], p = pres[s];
+      values[j].resize(found[j].size());
+      for (size_t k = 0; k < found[j].size(); ++k) {
+        const int64_t id = found[j][k];
+        const int32_t count = counts[id];
+        volatile float v = row[id];  // volatile: each operation rounded on its own, as torch's
+        v = v > 0.0f ? v / r : v * r;
+        const volatile float by_count = f * static_cast<float>(count);
+        v = v - by_count;
+        const volatile float by_presence = p * (count > 0 ? 1.0f : 0.0f);
+        v = v - by_presence;
+        values[j][k] = v;
+      }
+    }
+  });
+  int64_t total = 0;
+  for (const auto& ids : found) total += static_cast<int64_t>(ids.size());
+  at::Tensor row_index = at::empty({total}, rows.options());
+  at::Tensor ids = at::empty({total}, rows.options());
+  at::Tensor out = at::empty({total}, z.options());
+  int64_t* ri = row_index.data_ptr<int64_t>();
+  int64_t* ip = ids.data_ptr<int64_t>();
+  float* vp = out.data_ptr<float>();
+  for (int64_t j = 0, at_ = 0; j < n; ++j) {
+    for (size_t k = 0; k < found[j].size(); ++k, ++at_) {
+      ri[at_] = rp[j];
+      ip[at_] = found[j][k];
+      vp[at_] = values[j][k];
+    }
+  }
+  return {row_index, ids, out};
+}
+
 // remove_by_bitmask(z, bitmask, start): in place, every column c of z (float32 [R, W], contiguous
 // rows, id start + c, no NaN) whose bit in bitmask (int32 [R, words], xgrammar's layout: bit j of
 // word w allows id 32 w + j; ids past the words are removed) is 0 becomes -inf (+inf included);
@@ -249,6 +322,8 @@ TORCH_LIBRARY(tokensampler_native, m) {
   m.def("gather_at_or_above(Tensor z, Tensor lower, Tensor? scale, int width) -> (Tensor, Tensor, Tensor)");
   m.def("gather_in_range(Tensor z, Tensor low, Tensor high, int width) -> (Tensor, Tensor)");
   m.def("seen_ids(Tensor prompt_mask, Tensor output_counts, Tensor slots) -> (Tensor, Tensor)");
+  m.def("penalty_cells(Tensor z, Tensor rows, Tensor slots, Tensor prompt_mask, Tensor output_counts, "
+        "Tensor repetition, Tensor frequency, Tensor presence) -> (Tensor, Tensor, Tensor)");
   m.def("remove_by_bitmask(Tensor(a!) z, Tensor bitmask, int start) -> ()");
 }
 
@@ -256,5 +331,6 @@ TORCH_LIBRARY_IMPL(tokensampler_native, CPU, m) {
   m.impl("gather_at_or_above", &gather_at_or_above);
   m.impl("gather_in_range", &gather_in_range);
   m.impl("seen_ids", &seen_ids);
+  m.impl("penalty_cells", &penalty_cells);
   m.impl("remove_by_bitmask", &remove_by_bitmask);
 }

@@ -28,7 +28,14 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     (row_index int64 [H], ids int64 [H], values float32 [H]): the penalised value of every seen
     (row, id), in the reference's float32 order; None if no row has seen an id. One seen-mask for
     all rows, its hits found by `nonzero_ids` (or, compiled, the C++ pass's one read of the two
-    rows), then the arithmetic over the hits only."""
+    rows), then the arithmetic over the hits only. Compiled, with the C++ pass built, one call does
+    both (`native.penalty_op`: the same values, each operation rounded as torch rounds it)."""
+    op = native.penalty_op() if compiled and _native_layouts(z, prompt_mask, output_counts) else None
+    if op is not None:
+        as_index = lambda values: torch.as_tensor(values, dtype=torch.int64, device=z.device)  # noqa: E731
+        row_index, ids, values = op(z, as_index(rows), as_index(slots), prompt_mask, output_counts,
+                                    repetition, frequency, presence)
+        return None if ids.numel() == 0 else (row_index, ids, values)
     member, ids = seen_ids(prompt_mask, output_counts, slots, z.shape[1], compiled)
     if ids.numel() == 0:
         return None
@@ -40,6 +47,11 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     values = torch.where(values > 0, values / r, values * r)
     values = values - frequency[slot_index] * counts
     return row_index, ids, values - presence[slot_index] * (counts > 0).to(torch.float32)
+
+
+def _native_layouts(z: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor) -> bool:
+    return (native.rows_layout(z, torch.float32) and native.rows_layout(prompt_mask, torch.bool)
+            and native.rows_layout(output_counts, torch.int32) and prompt_mask.shape[1] >= z.shape[1])
 
 
 def seen_ids(prompt_mask: torch.Tensor, output_counts: torch.Tensor, slots: list[int], vocab: int,
