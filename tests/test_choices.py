@@ -184,16 +184,17 @@ def test_a_failing_private_api_falls_back_to_eager_with_one_warning(monkeypatch,
     ids) are the eager sampler's, and one CompileFallbackWarning is emitted for all of them."""
     _break_private_api(monkeypatch, hook)
     vocab = 4000
-    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 3
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(3)) * 3
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, logprobs=3),
               SamplingParams(temperature=1.0, seed=2, presence_penalty=0.5),
               SamplingParams(temperature=0.7, top_p=0.95, seed=3),
-              SamplingParams(temperature=0.0, logprobs=2)]
+              SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.0, min_p=0.001, seed=5)]  # flat with min-p: the general routes
     outputs = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for compiled in (True, False):
-            sampler = Sampler(vocab, max_slots=4, backend="torch", compile=compiled)
+            sampler = Sampler(vocab, max_slots=5, backend="torch", compile=compiled)
             for slot, p in enumerate(params):
                 sampler.add_request(slot, p, [5, 6])
             outputs[compiled] = [sampler.sample(logits), sampler.sample(logits * 0.5)]
