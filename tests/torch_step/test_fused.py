@@ -433,3 +433,24 @@ def test_raw_logprobs_on_the_fused_route_come_from_the_pass_statistics(mode, mon
     got = sampler.sample(logits)
     assert_same_output(run_reference(logits, params, vocab_size=vocab, logprobs_mode=mode), got)
     assert sampler.backends.torch_step.routes_taken[Route.FUSED] == 1 and passes == []
+
+
+def test_a_greedy_row_takes_the_first_allowed_maximum():
+    """Greedy rows whose maximum is tied by a removed id before the allowed one (in the same 32-id
+    word, and in an earlier word): the first allowed maximum, as the reference; all-greedy calls take
+    the fused route."""
+    vocab = 5000
+    logits = make_logits(3, vocab, seed=41)
+    logits[:, [5, 20, 37, 100]] = 40.0
+    allowed = torch.ones(3, vocab, dtype=torch.bool)
+    allowed[0, 5] = False  # 20: the same 32-id word
+    allowed[1, [5, 20, 37]] = False  # 100: three words on
+    params = [SamplingParams(temperature=0.0)] * 3
+    state = state_for(params, vocab)
+    tokens, general, _ = fused.sample_rows(logits, torch.arange(3), state, pack_bitmask(allowed))
+    assert not bool(general.any()) and tokens.tolist() == [20, 100, 5]
+    sampler = Sampler(vocab, max_slots=3, compile=True)
+    for b, p in enumerate(params):
+        sampler.add_request(b, p, [])
+    assert sampler.sample(logits, token_bitmask=pack_bitmask(allowed)).token_ids.tolist() == [20, 100, 5]
+    assert sampler.backends.torch_step.routes_taken[Route.FUSED] == 1

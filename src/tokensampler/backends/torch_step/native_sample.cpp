@@ -195,8 +195,22 @@ RowMax row_max(const float* row, int64_t vocab, const Mask& mask) {
   return {m, nan};
 }
 
+// The first allowed id whose value is `value` (32 ids at a time with AVX2); 0 if none.
 int64_t first_equal(const float* row, int64_t vocab, float value, const Mask& mask) {
-  for (int64_t i = 0; i < vocab; ++i) {
+  int64_t i = 0;
+#if defined(__AVX2__)
+  const __m256 target = _mm256_set1_ps(value);
+  for (; i + 32 <= vocab; i += 32) {
+    uint32_t hits = 0;
+    for (int q = 0; q < 4; ++q) {
+      hits |= static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + i + 8 * q), target,
+                                                                      _CMP_EQ_OQ))) << (8 * q);
+    }
+    hits &= mask.word(i);
+    if (hits != 0) return i + __builtin_ctz(hits);
+  }
+#endif
+  for (; i < vocab; ++i) {
     if (row[i] == value && mask.allows(i)) return i;
   }
   return 0;

@@ -178,8 +178,8 @@ def readable_routes(plan: StepPlan, layout: Layout, config: TorchStepConfig, log
     CPU logits whose plan's edits all have a cell form (`stages.CELL_EDITS`: not allowed ids, a
     token bitmask, min_tokens or bias), without processed logprobs (they read the edited z), and
     with separate, writable rows where there are edits (they are written in place and restored);
-    the fused route where the direct route would be allowed, some row is sampled, no row has a
-    full-row stage, the rows are contiguous and `fused` (the step's C++ pass is loaded and
+    the fused route where the direct route would be allowed, no row has a full-row stage, the rows
+    are contiguous and `fused` (the step's C++ pass is loaded and
     `TorchStepConfig.fused_route` on). A call with a token bitmask reads the caller's logits on the
     fused route only. cell_edits: the edits with a cell form (`stages.CELL_EDITS`)."""
     allowed = {Route.PLAIN_GREEDY} if plan.plain_greedy and not plan.wants_logprobs else set()
@@ -188,7 +188,7 @@ def readable_routes(plan: StepPlan, layout: Layout, config: TorchStepConfig, log
     if (config.direct_route and layout.float32_cpu and all(name in cell_edits for name in edits)
             and not processed and (not edits or (layout.separate_rows and layout.writable))):
         allowed.add(Route.DIRECT)
-        if fused and plan.sampled_rows and not plan.full_row and layout.separate_rows:
+        if fused and not plan.full_row and layout.separate_rows:
             allowed.add(Route.FUSED)  # a token bitmask is read where each value is read
     return frozenset(allowed & {Route.FUSED}) if layout.masked else frozenset(allowed)
 
