@@ -216,12 +216,12 @@ def test_a_group_whose_mass_above_equals_the_bound_exactly_is_removed():
 
 
 def test_the_lists_are_counted_for_the_call_and_kept_for_the_next():
-    """One 248k row at T = 1 lists about 15,500 ids: its lists are counted for the call (within 0.45 of
+    """One 248k row at T = 1 (temperature alone: the list reaches the winnable floor) lists about 15,500 ids: its lists are counted for the call (within 0.45 of
     the row's fp32 logits and the slack), and kept: a second call grows nothing; a batch of 32 such
     rows likewise."""
     vocab = 248320
     row = make_logits(1, vocab, seed=2)
-    one = [SamplingParams(temperature=1.0, top_p=0.95, seed=1)]
+    one = [SamplingParams(temperature=1.0, seed=1)]
     state = state_for(one, vocab)
     tokens, general, _ = fused.sample_rows(row, torch.arange(1), state)
     listed = fused.scratch_bytes()
@@ -229,7 +229,7 @@ def test_the_lists_are_counted_for_the_call_and_kept_for_the_next():
     fused.sample_rows(row, torch.arange(1), state)
     assert fused.scratch_bytes() == listed
     batch = make_logits(32, vocab, seed=3)
-    many = [SamplingParams(temperature=1.0, top_p=0.95, seed=s) for s in range(32)]
+    many = [SamplingParams(temperature=1.0, seed=s) for s in range(32)]
     state = state_for(many, vocab)
     fused.sample_rows(batch, torch.arange(32), state)
     first = fused.scratch_bytes()
@@ -454,3 +454,29 @@ def test_a_greedy_row_takes_the_first_allowed_maximum():
         sampler.add_request(b, p, [])
     assert sampler.sample(logits, token_bitmask=pack_bitmask(allowed)).token_ids.tolist() == [20, 100, 5]
     assert sampler.backends.torch_step.routes_taken[Route.FUSED] == 1
+
+
+def test_a_top_p_row_keeping_ids_below_its_shallow_list_is_listed_again_from_the_winnable_floor():
+    """A top-p row lists from 16 units below its max first. Here top-p (1 - 1e-8) keeps an id 16.1
+    below the max, outside that list but above the winnable floor, and the seed gives that id the
+    largest noise there is (g = 17.3): the reference draws it. The pass finds no crossing in the shallow
+    list, lists the row again from the winnable floor, and draws it too."""
+    vocab = 4099
+    ops = torch.ops.tokensampler_native
+    ids = torch.arange(1, vocab)
+    for seed in range(20000):
+        bits = ops.noise_bits(torch.full_like(ids, seed), torch.zeros_like(ids), torch.zeros_like(ids), ids)
+        lucky = torch.nonzero((bits >> 8) >= 2**24 - 1).squeeze(-1)
+        if lucky.numel() == 0:
+            continue
+        logits = torch.full((1, vocab), -40.0)
+        logits[0, 0] = 0.0
+        deep = int(ids[lucky[0]])
+        logits[0, deep] = -16.1
+        params = [SamplingParams(temperature=1.0, top_p=1.0 - 1e-8, seed=seed)]
+        tokens, general, want = fused_and_reference(logits, params)
+        if int(want[0]) != deep:
+            continue  # the max's own noise was larger
+        assert not bool(general[0]) and int(tokens[0]) == deep, seed
+        return
+    raise AssertionError("no seed gave an id below the shallow list the largest noise")

@@ -54,6 +54,7 @@ constexpr double kBandWidth = 4.0;  // each band's width in units of z / T
 constexpr float kNoiseError = 1e-4f;  // |approximate - exact| noise, as gumbel.NOISE_ERROR
 constexpr int64_t kSmallTopK = 256;   // top-k up to this bounds the list first where
 constexpr int64_t kListsPerTopK = 8;  // the strided estimate lists more than this many times k ids
+constexpr float kTopPDepth = 16.0f;   // units of z / T below the max where a top-p row's list starts
 
 // ------------------------------------------------------------------ the noise (core/rng.py)
 inline uint32_t mix32(uint32_t x) {
@@ -790,11 +791,16 @@ Row deep_row(const float* row, const Mask& mask, int64_t vocab, float temperatur
 // (kGeneral), or the ids whose exact noise decides (kNoise: `exact` filled).
 Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float temperature, float min_p, int64_t top_k,
                double top_p, uint32_t key, int64_t cap, float gmin, float gmax, Scratch& s, int64_t& token,
-               Exact& exact) {
+               Exact& exact, bool shallow_first = true) {
   const float zt_max = m / temperature;
   if (std::isinf(zt_max)) return Row::kGeneral;  // overflow (+inf rule) or every id underflowing
   float lower = win_floor(zt_max, gmin, gmax);
   if (min_p > 0.0f) lower = std::max(lower, min_p_floor(zt_max, min_p));
+  // top-p alone keeps every id above its crossing, usually far above the winnable floor: the list
+  // starts kTopPDepth below the max (the bands below it bound the rest's mass), and only a row whose
+  // crossing lies below that list is listed again from the winnable floor
+  const bool shallow = shallow_first && top_p < 1.0 && min_p <= 0.0f && top_k <= 0 && zt_max - kTopPDepth > lower;
+  if (shallow) lower = zt_max - kTopPDepth;
   float list_floor = undivided_floor(lower, temperature);
   bool bounded = false;  // the list's floor raised to top-k's k-th value
   auto bound_by_top_k = [&]() {  // a row too flat for a list whose top-k bounds it
@@ -899,6 +905,10 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
       const float below_k = top_k > 0 ? kth_of_row(row, vocab, std::min(top_k, vocab), mask) / temperature : kNegInf;
       const double total = listed + exact_tail(row, vocab, list_floor, temperature, zt_max, below_k, mask);
       c = top_p_crossing(s, order, kept, zt_max, top_p * total, top_p * total);
+    }
+    if (shallow && !c.found_high) {  // top-p keeps ids below the shallow list: from the winnable floor
+      return sample_row(row, mask, vocab, m, temperature, min_p, top_k, top_p, key, cap, gmin, gmax, s, token,
+                        exact, false);
     }
     top_p_cut = c.found_high;
     cut = c.high;
