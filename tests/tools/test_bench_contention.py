@@ -53,6 +53,8 @@ def test_bench_times_each_arm_quiet_and_loaded(tmp_path):
         assert ratio == report["median_ms"][name] / result["median_ms"][name]
     table = bench.format_table([result])
     assert "ts loaded / quiet" in table and f"{report['ratio']['tokensampler']:.2f}x" in table
+    assert "floor loaded / quiet" in table and table.rstrip().endswith(
+        f"| {report['ratio']['floor']:.2f}x | {result['reference_rows_equal']}/{result['rows']} |")
     assert json.loads(path.read_text())["contention"] == 1
 
 

@@ -216,9 +216,9 @@ def test_a_group_whose_mass_above_equals_the_bound_exactly_is_removed():
 
 
 def test_the_lists_are_counted_for_the_call_and_kept_for_the_next():
-    """One 248k row at T = 1 (temperature alone: the list reaches the winnable floor) lists about 15,500 ids: its lists are counted for the call (within 0.45 of
-    the row's fp32 logits and the slack), and kept: a second call grows nothing; a batch of 32 such
-    rows likewise."""
+    """One 248k row at T = 1 (temperature alone: the list reaches the winnable floor) lists about
+    15,500 ids: its lists are counted for the call (within 0.45 of the row's fp32 logits and the
+    slack), and kept: a second call grows nothing; a batch of 32 such rows likewise."""
     vocab = 248320
     row = make_logits(1, vocab, seed=2)
     one = [SamplingParams(temperature=1.0, seed=1)]
