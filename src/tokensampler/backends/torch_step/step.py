@@ -211,8 +211,9 @@ class TorchStep:
             if raw_stats is not None and not rows:  # the pass's statistics: gathers only
                 asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
                 maxima, log_sum, _ = raw_stats
-                stats = logprobs.RowStats(maxima[asked], maxima[asked].amax(dim=-1),
-                                          None if log_sum is None else log_sum[asked])
+                if len(asked) < len(plan.num_logprobs):
+                    maxima, log_sum = maxima[asked], None if log_sum is None else log_sum[asked]
+                stats = logprobs.RowStats(maxima, maxima.amax(dim=-1), log_sum)
                 self._logprobs(logits, None, tokens, plan, 0, logits.shape[0], out.logprobs, stats)
             else:
                 self._direct_logprobs(logits, tokens, plan, out.logprobs)
