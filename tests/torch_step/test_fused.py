@@ -480,3 +480,15 @@ def test_a_top_p_row_keeping_ids_below_its_shallow_list_is_listed_again_from_the
         assert not bool(general[0]) and int(tokens[0]) == deep, seed
         return
     raise AssertionError("no seed gave an id below the shallow list the largest noise")
+
+
+def test_a_top_p_row_whose_shallow_list_passes_the_cap_is_drawn_as_a_flat_row():
+    """A gaussian row (std 4, T = 0.8) with 14,779 ids within 16 units of its max, where the strided
+    estimate said fewer than the cap (13,674): the shallow list passes the cap, and the row is taken
+    again from its winnable floor (a flat row: its head listed), finished, the reference's token."""
+    logits = (torch.randn(32, 151936, generator=torch.Generator().manual_seed(0)) * 4.0)[24:25].contiguous()
+    zt = logits[0] / 0.8
+    assert int((zt >= zt.max() - 16).sum()) > fused.list_cap(151936)
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=24)]
+    tokens, general, want = fused_and_reference(logits, params)
+    assert not bool(general[0]) and int(tokens[0]) == int(want[0])

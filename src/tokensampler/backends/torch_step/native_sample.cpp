@@ -851,6 +851,10 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
   int64_t n = list();
   if (n < 0 && bound_by_top_k()) n = list();  // past the cap, the estimate notwithstanding
   if (n < 0 && head) return deep_row(row, mask, vocab, temperature, zt_max, top_p, key, cap, s, token, exact);
+  if (n < 0 && shallow) {  // the strided estimate missed: past the cap even 16 units down, the row is flat
+    return sample_row(row, mask, vocab, m, temperature, min_p, top_k, top_p, key, cap, gmin, gmax, s, token,
+                      exact, false);
+  }
   if (n <= 0) return Row::kGeneral;  // past the cap (n = 0 cannot happen: the max is listed)
   float* v = s.values.data();
   int32_t* order = s.order.data();
