@@ -27,10 +27,17 @@
 //    (float64 logs by ATen's own log, after the rows' loop: one call for the whole batch) for the ids
 //    within the approximate scores' error margin of the best; lowest id on ties.
 //
-// A row the pass cannot finish exactly is marked general (the caller runs the call on the general
-// routes): NaN or +inf in the row, no id left, z / T overflowing or underflowing, more listed ids than
-// `cap`, top-k's k-th value below the list while top-p needs the mass below it, or a top-p crossing that
-// the tail bound leaves undecided. Rows are shared over torch's intra-op threads (one parallel region).
+// Where the list would pass `cap` (a flat row), top-k bounds it by its k-th value (a small top-k does so
+// first anyway); a top-p row lists its head, and a row whose kept set reaches below the head, or a
+// temperature-only row, takes the deep reads (deep_row: a value histogram, then the race). A top-p row
+// alone lists from kTopPDepth below its max first (listed again from the winnable floor where its
+// crossing lies below).
+//
+// A row the pass cannot finish exactly is marked general (the caller runs it on the general routes):
+// NaN or +inf in the row, no id left, z / T overflowing or underflowing, a list past `cap` that neither
+// a top-k within `cap` nor top-p alone bounds (min-p on a flat row), a deep crossing more than 32 units
+// down or in a bin of more than `cap` ids. Rows are
+// shared over torch's intra-op threads (one parallel region).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -573,7 +580,7 @@ inline int32_t bin_of(float v, float zt_max) {
 inline float score_floor(float a) { return a - (2 * kNoiseError + std::fabs(a) * 0x1p-20f + 0x1p-16f); }
 
 struct Deep {
-  std::vector<float> v, p;  // the histogram read's block: w = v - zt_max, then p = exp(w)
+  std::vector<float> w, p;  // the histogram read's block: w = v - zt_max (clamped), then p = exp(w)
   std::vector<double> hist;
   std::vector<float> racer_v, racer_a;
   std::vector<int32_t> racer_id;
@@ -594,13 +601,13 @@ inline __m256 divided(__m256 x, __m256 t, bool unit) { return unit ? x : _mm256_
 // (from -w: fl(zt_max - v) = -fl(v - zt_max)) and its mass added.
 double deep_histogram(const float* row, int64_t vocab, float temperature, float zt_max, const Mask& mask,
                       Deep& d) {
-  d.v.resize(kDeepBlock);
+  d.w.resize(kDeepBlock);
   d.p.resize(kDeepBlock);
   d.hist.assign(2 * (kBins + 1), 0.0);  // two interleaved histograms: fewer adds waiting on each other
   double* h0 = d.hist.data();
   double* h1 = h0 + (kBins + 1);
   const bool unit = temperature == 1.0f;
-  float* wb = d.v.data();
+  float* wb = d.w.data();
   float* pb = d.p.data();
   for (int64_t start = 0; start < vocab; start += kDeepBlock) {
     const int64_t len = std::min(kDeepBlock, vocab - start);
