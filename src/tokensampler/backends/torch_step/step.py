@@ -118,7 +118,9 @@ class TorchStep:
         this step removes every id whose bit is 0. The fused route reads the bits where it reads a
         value; masked batches it does not take go to the block route, which unpacks each block's
         bits right after its float32 copy (docs/cpu-fast-path.md)."""
-        small = logits.shape[0] * logits.shape[1] <= self.config.single_thread_elements
+        elements = logits.shape[0] * logits.shape[1]
+        small = elements <= self.config.single_thread_elements or (
+            not plan.sampled_rows and elements <= self.config.greedy_single_thread_elements)
         with single_threaded() if small else contextlib.nullcontext():  # a row: no second thread to wait for
             index = self._slot_index(plan)
             out = self._sample(logits, index, plan, token_bitmask)
