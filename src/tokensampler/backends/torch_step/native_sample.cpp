@@ -73,6 +73,19 @@ inline uint32_t hash32(uint32_t x) {
   return x ^ (x >> 14);
 }
 
+#if defined(__AVX2__)
+// hash32 of 8 lanes at once (the same bits as hash32 on each).
+inline __m256i hash8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 17));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xED5AD4BBu)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 11));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xAC4C1B51u)));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x31848BABu)));
+  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
+}
+#endif
+
 inline uint32_t row_key(int64_t seed, int64_t position, int64_t stream) {
   const uint64_t s = static_cast<uint64_t>(seed);
   uint32_t key = mix32(static_cast<uint32_t>(s) ^ 0x9E3779B9u);
@@ -386,6 +399,19 @@ const __m256i* left_pack() {
 }
 #endif
 
+#if defined(__AVX2__)
+// Stores the lanes of `x` whose bit is set in `hits` (8 bits), in order, at values[0..] and their ids
+// (first + lane) at ids[0..]: 8 lanes written, the hits first. Returns how many hits.
+inline int pack_store(__m256 x, int hits, int64_t first, float* values, int32_t* ids) {
+  const __m256i perm = _mm256_load_si256(left_pack() + hits);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  _mm256_storeu_ps(values, _mm256_permutevar8x32_ps(x, perm));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids), _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(first)),
+                                                                       _mm256_permutevar8x32_epi32(lane, perm)));
+  return __builtin_popcount(static_cast<unsigned>(hits));
+}
+#endif
+
 // Lists every id with z >= floor (value fl(z / T)) into the scratch, counting in ge[j] the ids with
 // z >= bands[j] where bands are given. Returns the number listed, or -1 past `cap`.
 int64_t list_row(const float* row, int64_t vocab, float floor, float temperature, const float* bands,
@@ -401,8 +427,6 @@ int64_t list_row(const float* row, int64_t vocab, float floor, float temperature
     bv[j] = _mm256_set1_ps(bands != nullptr ? bands[j] : kPosInf);
     counted[j] = _mm256_setzero_si256();
   }
-  const __m256i* pack = left_pack();
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   for (; i + 32 <= vocab; i += 32) {  // blocks of 32 ids: a block with a hit packs each 8 left and stores it
     __m256 x[4];
     int m[4];
@@ -422,14 +446,7 @@ int64_t list_row(const float* row, int64_t vocab, float floor, float temperature
       values = s.values.data();
       ids = s.ids.data();
     }
-    for (int q = 0; q < 4; ++q) {  // n <= cap here: the scratch has room for 32 more
-      const __m256i perm = _mm256_load_si256(pack + m[q]);
-      _mm256_storeu_ps(values + n, _mm256_permutevar8x32_ps(x[q], perm));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(ids + n),
-                          _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(i + 8 * q)),
-                                           _mm256_permutevar8x32_epi32(lane, perm)));
-      n += __builtin_popcount(static_cast<unsigned>(m[q]));
-    }
+    for (int q = 0; q < 4; ++q) n += pack_store(x[q], m[q], i + 8 * q, values + n, ids + n);  // room for 32 more
     if (n > cap) return -1;
   }
   if (bands != nullptr) {  // lanes hold at most vocab / 8 < 2^31 each
@@ -700,7 +717,6 @@ Row deep_row(const float* row, const Mask& mask, int64_t vocab, float temperatur
     const __m256 zero = _mm256_setzero_ps(), top_level = _mm256_set1_ps(static_cast<float>(kFineLevels - 1));
     const __m256i cross = _mm256_set1_epi32(cross_bin), key8 = _mm256_set1_epi32(static_cast<int32_t>(key));
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i* pack = left_pack();
     const int* table = reinterpret_cast<const int*>(fine);
     for (; i + 32 <= vocab; i += 32) {
       const uint32_t word = mask.word(i);
@@ -714,22 +730,11 @@ Row deep_row(const float* row, const Mask& mask, int64_t vocab, float temperatur
         if (in_bin != 0) {
           if (n + 8 > cap) return Row::kGeneral;
           if (n + 8 > static_cast<int64_t>(s.values.size())) s.reserve(n + 8, cap);
-          const __m256i perm = _mm256_load_si256(pack + in_bin);
-          _mm256_storeu_ps(s.values.data() + n, _mm256_permutevar8x32_ps(v, perm));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(s.ids.data() + n),
-                              _mm256_add_epi32(base, _mm256_permutevar8x32_epi32(lane, perm)));
-          n += __builtin_popcount(static_cast<unsigned>(in_bin));
+          n += pack_store(v, in_bin, i + 8 * q, s.values.data() + n, s.ids.data() + n);
         }
         const __m256i kept = _mm256_cmpgt_epi32(cross, bin);
         if (_mm256_testz_si256(kept, kept)) continue;
-        __m256i xh = _mm256_xor_si256(key8, _mm256_add_epi32(base, lane));
-        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 17));
-        xh = _mm256_mullo_epi32(xh, _mm256_set1_epi32(static_cast<int32_t>(0xED5AD4BBu)));
-        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 11));
-        xh = _mm256_mullo_epi32(xh, _mm256_set1_epi32(static_cast<int32_t>(0xAC4C1B51u)));
-        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 15));
-        xh = _mm256_mullo_epi32(xh, _mm256_set1_epi32(static_cast<int32_t>(0x31848BABu)));
-        xh = _mm256_xor_si256(xh, _mm256_srli_epi32(xh, 14));
+        const __m256i xh = hash8(_mm256_xor_si256(key8, _mm256_add_epi32(base, lane)));
         const __m256 level = _mm256_mul_ps(_mm256_sub_ps(_mm256_sub_ps(_mm256_set1_ps(best_floor), v), slack), steps);
         const __m256i at = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(level, zero), top_level));
         const __m256i below = _mm256_cmpgt_epi32(_mm256_i32gather_epi32(table, at, 4), _mm256_srli_epi32(xh, 8));
@@ -943,14 +948,8 @@ Row sample_row(const float* row, const Mask& mask, int64_t vocab, float m, float
     const __m256 slack = _mm256_set1_ps(1e-3f), top_level = _mm256_set1_ps(static_cast<float>(kSkipLevels - 1));
     const int* table = reinterpret_cast<const int*>(skip);
     for (; j + 8 <= n; j += 8) {
-      __m256i x = _mm256_xor_si256(key8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.ids.data() + j)));
-      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 17));
-      x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xED5AD4BBu)));
-      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 11));
-      x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0xAC4C1B51u)));
-      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-      x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int32_t>(0x31848BABu)));
-      x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
+      const __m256i x = hash8(
+          _mm256_xor_si256(key8, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.ids.data() + j))));
       const __m256 d = _mm256_sub_ps(b08, _mm256_loadu_ps(v + j));
       const __m256i level = _mm256_cvttps_epi32(_mm256_min_ps(_mm256_max_ps(_mm256_sub_ps(d, slack), zero), top_level));
       const __m256i below = _mm256_cmpgt_epi32(_mm256_i32gather_epi32(table, level, 4), _mm256_srli_epi32(x, 8));
