@@ -182,9 +182,11 @@ def test_the_penalised_cells_are_the_torch_arithmetics_bit_for_bit(vocab, width)
     presence = torch.tensor([0.3, -1.1, 0.5, 0.0, -0.6])
     rows, slots = [0, 1, 2, 3], [0, 4, 2, 1]
     want = penalties.penalty_edits(z, rows, slots, prompt, counts, repetition, frequency, presence, compiled=False)
-    got = penalties.penalty_edits(z, rows, slots, prompt, counts, repetition, frequency, presence, compiled=True)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    assert torch.equal(got[2].view(torch.int32), want[2].view(torch.int32))
+    for helpers in (-1, 0, 1, 3):  # torch's threads; the caller alone; with helper threads (native_rows.h)
+        got = penalties.penalty_edits(z, rows, slots, prompt, counts, repetition, frequency, presence,
+                                      compiled=True, helpers=helpers)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(got[2].view(torch.int32), want[2].view(torch.int32))
 
 
 def test_a_compiling_sampler_penalises_with_it_as_an_eager_one(monkeypatch):

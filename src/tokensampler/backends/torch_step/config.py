@@ -37,6 +37,12 @@ class TorchStepConfig:
     greedy_single_thread_elements: the same for a call whose rows are all greedy (one read of the
       logits: at B = 32, V = 152k 0.85 ms on one thread against 0.51 ms on two, and beside a busy
       process 1.07x its quiet time against 1.8-4.9x on two); 0: never.
+    wait_free_rows: the C++ passes (the fused route's rows, the penalties' cells) share a call's rows
+      between the calling thread and helper threads of their own that sleep between calls, the caller
+      never waiting for a helper that lost its core (it computes that row itself:
+      docs/cpu-fast-path.md), where the process lets a library change torch's thread count
+      (`core.threads`); else, or False, they run in one torch parallel region (inside vLLM's CPU
+      worker, whose threads are bound to cores and spin between its regions).
     candidate_cap: the longest candidate list per row before a row takes the dense route (0: every
       sampled row takes it).
     top_p_head: the sorted prefix of a candidate list searched first for the top-p crossing.
@@ -58,6 +64,7 @@ class TorchStepConfig:
     flat_block_elements: int = 17 << 16  # 7 rows at V = 152k
     single_thread_elements: int = 1 << 18  # one row of up to 262,144 ids
     greedy_single_thread_elements: int = 1 << 23  # 32 rows of up to 262,144 ids
+    wait_free_rows: bool = True
     candidate_cap: int = 16384
     top_p_head: int = 64
     top_p_head_chunks: int = 256
@@ -72,6 +79,7 @@ class TorchStepConfig:
     def __post_init__(self) -> None:
         check_bool("TorchStepConfig.direct_route", self.direct_route)
         check_bool("TorchStepConfig.fused_route", self.fused_route)
+        check_bool("TorchStepConfig.wait_free_rows", self.wait_free_rows)
         for name in ("block_elements", "masked_block_elements", "flat_block_elements", "top_p_head",
                      "top_p_head_chunks", "column_chunk", "histogram_bins", "dense_block", "dense_sample_stride"):
             check_int(f"TorchStepConfig.{name}", getattr(self, name), 1)

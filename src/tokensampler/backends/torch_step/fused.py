@@ -2,7 +2,9 @@
 
 The general routes (`step.py`, `candidates.py`) assemble a step from torch operations: each pass is a
 parallel region, each small operation a dispatch, and a row's thresholds take dozens of them. The
-fused pass does a row's whole work in one function, and a batch's in one parallel region:
+fused pass does a row's whole work in one function, and a batch's rows are shared between the
+calling thread and helper threads that are never waited for (`native_rows.h`; or torch's threads in
+one parallel region):
 
 1. one read of the row: its max (NaN and +inf noted); a greedy row's first maximum (a call's token
    bitmask is applied where each value is read: an id whose bit is 0 reads as -inf);
@@ -53,8 +55,8 @@ def list_cap(vocab: int) -> int:
 
 def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
                 token_bitmask: torch.Tensor | None = None,
-                raw_stats: tuple[torch.Tensor, torch.Tensor | None, int] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+                raw_stats: tuple[torch.Tensor, torch.Tensor | None, int] | None = None,
+                helpers: int = -1) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Steps 6-11 for every row of z.
 
     Parameters
@@ -68,6 +70,9 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
         token bitmask: filled, for every row not marked general, with the statistics of z as raw
         scores (`logprobs.RowStats`: chunk maxima, and where lanes > 0 log S summed in ATen's order
         over that many lanes), read while each row is in cache.
+    helpers: the rows shared between the calling thread and up to this many helper threads that
+        sleep between calls, the caller never waiting for a helper that lost its core
+        (`native_rows.h`); -1: one parallel region on torch's threads. The tokens are the same.
 
     Returns
     -------
@@ -86,7 +91,14 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
     maxima, log_sum, lanes = (None, None, 0) if raw_stats is None else raw_stats
     return op(z, slots, state.temperature, state.min_p, state.top_k, state.top_p, state.seed, state.position,
               state.stream, list_cap(z.shape[1]), rng.GUMBEL_MIN, rng.GUMBEL_MAX, token_bitmask, maxima, log_sum,
-              lanes)
+              lanes, helpers)
+
+
+def warm_helpers(helpers: int) -> None:
+    """Wake up to `helpers` of the wait-free rows' helper threads to watch for the next call (a
+    sleeping thread's wake-up then overlaps the host work before it: `native_rows.h`)."""
+    if helpers > 0 and native.sample_op() is not None:
+        torch.ops.tokensampler_native.warm_helpers(helpers)
 
 
 def scratch_bytes() -> int:

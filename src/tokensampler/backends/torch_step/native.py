@@ -13,6 +13,10 @@ in torch, a bool copy of every slot's counts, an or, and a compaction; in C++, o
 rows per slot. And `masking.remove_by_bitmask` applies a token bitmask: in torch, a table lookup of
 every byte into a buffer and a minimum; in C++, each word read once, words of ones skipped.
 
+Both files share their rows between threads through `native_rows.h`: the calling thread and
+helper threads of the library's own, which sleep between calls and are never waited for (a row a
+late helper holds is computed by the caller), or torch's threads in one parallel region.
+
 The library is built the first time a compiling sampler needs it (`Sampler(compile=True)`, the
 default: a C++ compiler is inductor's requirement too), with `CXX` (else `c++`, else `g++`) against
 torch's headers and libraries, into inductor's cache directory in a folder keyed
@@ -42,6 +46,7 @@ from ...core.errors import CompileFallbackWarning
 from . import torch_private
 
 SOURCES = (Path(__file__).with_name("native_gather.cpp"), Path(__file__).with_name("native_sample.cpp"))
+HEADERS = (Path(__file__).with_name("native_rows.h"),)  # included by the sources: part of the cache key
 LIBRARY = "tokensampler_native"
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}  # "ops": the loaded library's namespace, or None
@@ -71,7 +76,7 @@ def library_path() -> Path:
 
     digest = hashlib.sha256()
     for part in (torch.__version__, platform.machine(), torch.backends.cpu.get_cpu_capability(),
-                 " ".join(_flags()), *(source.read_bytes() for source in SOURCES)):
+                 " ".join(_flags()), *(source.read_bytes() for source in (*SOURCES, *HEADERS))):
         digest.update(part if isinstance(part, bytes) else str(part).encode())
     return Path(cache_dir()) / "tokensampler_native" / digest.hexdigest()[:20] / "tokensampler_native.so"
 

@@ -10,6 +10,9 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "native_rows.h"
+
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -196,15 +199,73 @@ std::tuple<at::Tensor, at::Tensor> seen_ids(const at::Tensor& prompt_mask, const
   return {member, ids};
 }
 
+// One call of penalty_cells (native_rows.h). A row's work reads the slot's prompt mask and counts and
+// the row of z in place: every index it forms is an id below the vocabulary found by the scan, so a
+// helper that finishes after the call returned (the counts updated meanwhile) reads valid memory;
+// its result is dropped.
+struct PenaltyTask : tokensampler_rows::RowTask {
+  std::vector<at::Tensor> held;
+  const float* zp = nullptr;
+  const uint8_t* pm = nullptr;
+  const int32_t* oc = nullptr;
+  const float *rep = nullptr, *freq = nullptr, *pres = nullptr;
+  const int64_t *rp = nullptr, *sp = nullptr;
+  int64_t vocab = 0, z_stride = 0, pm_stride = 0, oc_stride = 0;
+  std::vector<std::vector<int64_t>> found;
+  std::vector<std::vector<float>> values;
+
+  std::unique_ptr<tokensampler_rows::RowWorker> worker(bool helper) override;
+};
+
+class PenaltyWorker : public tokensampler_rows::RowWorker {
+ public:
+  explicit PenaltyWorker(PenaltyTask& task) : t_(task) {}
+
+  bool compute(int64_t j) override {
+    const int64_t s = t_.sp[j];
+    const int32_t* counts = t_.oc + s * t_.oc_stride;
+    ids_.clear();
+    append_seen(t_.pm + s * t_.pm_stride, counts, t_.vocab, ids_);
+    const float* row = t_.zp + t_.rp[j] * t_.z_stride;
+    const float r = t_.rep[s], f = t_.freq[s], p = t_.pres[s];
+    values_.resize(ids_.size());
+    for (size_t k = 0; k < ids_.size(); ++k) {
+      const int64_t id = ids_[k];
+      const int32_t count = counts[id];
+      volatile float v = row[id];  // volatile: each operation rounded on its own, as torch's
+      v = v > 0.0f ? v / r : v * r;
+      const volatile float by_count = f * static_cast<float>(count);
+      v = v - by_count;
+      const volatile float by_presence = p * (count > 0 ? 1.0f : 0.0f);
+      v = v - by_presence;
+      values_[k] = v;
+    }
+    return true;
+  }
+
+  void publish(int64_t j) override {
+    std::swap(t_.found[j], ids_);
+    std::swap(t_.values[j], values_);
+  }
+
+ private:
+  PenaltyTask& t_;
+  std::vector<int64_t> ids_;
+  std::vector<float> values_;
+};
+
+std::unique_ptr<tokensampler_rows::RowWorker> PenaltyTask::worker(bool) { return std::make_unique<PenaltyWorker>(*this); }
+
 // penalty_cells(z, rows, slots, prompt_mask, output_counts, repetition, frequency, presence): step 5 at
 // every id slots[j] has seen (as seen_ids finds them), for row rows[j] of z, without writing z: (row_index
 // int64 [H], ids int64 [H], values float32 [H]), row after row, ids ascending. Each value in the
 // reference's float32 order (penalties.penalty_edits): v = v > 0 ? v / r : v * r; v = v - f * count;
-// v = v - p * [count > 0] (one rounding per operation, no contraction).
+// v = v - p * [count > 0] (one rounding per operation, no contraction). Rows are shared with `helpers`
+// helper threads never waited for (native_rows.h), or with helpers = -1 over torch's threads.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> penalty_cells(
     const at::Tensor& z, const at::Tensor& rows, const at::Tensor& slots, const at::Tensor& prompt_mask,
     const at::Tensor& output_counts, const at::Tensor& repetition, const at::Tensor& frequency,
-    const at::Tensor& presence) {
+    const at::Tensor& presence, int64_t helpers) {
   TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
               "z: a CPU float32 [B, V] tensor with contiguous rows");
   TORCH_CHECK(prompt_mask.dim() == 2 && prompt_mask.scalar_type() == at::kBool && prompt_mask.stride(1) == 1
@@ -224,33 +285,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> penalty_cells(
   for (int64_t j = 0; j < n; ++j) {
     TORCH_CHECK(sp[j] >= 0 && sp[j] < num_slots && rp[j] >= 0 && rp[j] < z.size(0), "rows, slots: in range");
   }
-  const float* zp = z.data_ptr<float>();
-  const uint8_t* pm = reinterpret_cast<const uint8_t*>(prompt_mask.data_ptr<bool>());
-  const int32_t* oc = output_counts.data_ptr<int32_t>();
-  const float *rep = repetition.data_ptr<float>(), *freq = frequency.data_ptr<float>(), *pres = presence.data_ptr<float>();
-  std::vector<std::vector<int64_t>> found(n);
-  std::vector<std::vector<float>> values(n);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      const int64_t s = sp[j];
-      const int32_t* counts = oc + s * output_counts.stride(0);
-      append_seen(pm + s * prompt_mask.stride(0), counts, vocab, found[j]);
-      const float* row = zp + rp[j] * z.stride(0);
-      const float r = rep[s], f = freq[s], p = pres[s];
-      values[j].resize(found[j].size());
-      for (size_t k = 0; k < found[j].size(); ++k) {
-        const int64_t id = found[j][k];
-        const int32_t count = counts[id];
-        volatile float v = row[id];  // volatile: each operation rounded on its own, as torch's
-        v = v > 0.0f ? v / r : v * r;
-        const volatile float by_count = f * static_cast<float>(count);
-        v = v - by_count;
-        const volatile float by_presence = p * (count > 0 ? 1.0f : 0.0f);
-        v = v - by_presence;
-        values[j][k] = v;
-      }
-    }
-  });
+  auto task = std::make_shared<PenaltyTask>();
+  PenaltyTask& k = *task;
+  k.held = {z, rows, slots, prompt_mask, output_counts, repetition, frequency, presence};
+  k.zp = z.data_ptr<float>();
+  k.pm = reinterpret_cast<const uint8_t*>(prompt_mask.data_ptr<bool>());
+  k.oc = output_counts.data_ptr<int32_t>();
+  k.rep = repetition.data_ptr<float>();
+  k.freq = frequency.data_ptr<float>();
+  k.pres = presence.data_ptr<float>();
+  k.rp = rp;
+  k.sp = sp;
+  k.vocab = vocab;
+  k.z_stride = z.stride(0);
+  k.pm_stride = prompt_mask.stride(0);
+  k.oc_stride = output_counts.stride(0);
+  k.found.resize(n);
+  k.values.resize(n);
+  tokensampler_rows::run(task, n, helpers);
+  const auto& found = k.found;
+  const auto& values = k.values;
   int64_t total = 0;
   for (const auto& ids : found) total += static_cast<int64_t>(ids.size());
   at::Tensor row_index = at::empty({total}, rows.options());
@@ -323,7 +377,7 @@ TORCH_LIBRARY(tokensampler_native, m) {
   m.def("gather_in_range(Tensor z, Tensor low, Tensor high, int width) -> (Tensor, Tensor)");
   m.def("seen_ids(Tensor prompt_mask, Tensor output_counts, Tensor slots) -> (Tensor, Tensor)");
   m.def("penalty_cells(Tensor z, Tensor rows, Tensor slots, Tensor prompt_mask, Tensor output_counts, "
-        "Tensor repetition, Tensor frequency, Tensor presence) -> (Tensor, Tensor, Tensor)");
+        "Tensor repetition, Tensor frequency, Tensor presence, int helpers) -> (Tensor, Tensor, Tensor)");
   m.def("remove_by_bitmask(Tensor(a!) z, Tensor bitmask, int start) -> ()");
 }
 

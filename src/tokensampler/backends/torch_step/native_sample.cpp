@@ -36,11 +36,14 @@
 // A row the pass cannot finish exactly is marked general (the caller runs it on the general routes):
 // NaN or +inf in the row, no id left, z / T overflowing or underflowing, a list past `cap` that neither
 // a top-k within `cap` nor top-p alone bounds (min-p on a flat row), a deep crossing more than 32 units
-// down or in a bin of more than `cap` ids. Rows are
-// shared over torch's intra-op threads (one parallel region).
+// down or in a bin of more than `cap` ids. Rows are shared between the calling thread and `helpers`
+// helper threads that are never waited for (native_rows.h: a helper reads its row from a copy it
+// makes as it reads the max), or with helpers = -1 over torch's intra-op threads (one parallel region).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include "native_rows.h"
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -183,7 +186,10 @@ struct RowMax {
   bool nan;
 };
 
-RowMax row_max(const float* row, int64_t vocab, const Mask& mask) {
+// The row's max; with kCopy, the row is also stored into `copy` as it is read (a helper's snapshot:
+// native_rows.h), and the max is the copy's.
+template <bool kCopy>
+RowMax row_max_impl(const float* row, int64_t vocab, const Mask& mask, float* copy) {
   int64_t i = 0;
   float m = kNegInf;
   bool nan = false;
@@ -194,6 +200,10 @@ RowMax row_max(const float* row, int64_t vocab, const Mask& mask) {
     const uint32_t word = mask.word(i);
     for (int q = 0; q < 4; q += 2) {
       __m256 a = _mm256_loadu_ps(row + i + 8 * q), b = _mm256_loadu_ps(row + i + 8 * q + 8);
+      if constexpr (kCopy) {
+        _mm256_storeu_ps(copy + i + 8 * q, a);
+        _mm256_storeu_ps(copy + i + 8 * q + 8, b);
+      }
       if (mask.words != nullptr) {  // removed ids: -inf (a removed NaN is not a NaN of the row)
         a = _mm256_blendv_ps(minus_inf, a, allowed_lanes(word, q));
         b = _mm256_blendv_ps(minus_inf, b, allowed_lanes(word, q + 1));
@@ -209,12 +219,16 @@ RowMax row_max(const float* row, int64_t vocab, const Mask& mask) {
   nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; i < vocab; ++i) {
-    const float x = masked(row, i, mask);
+    float x = row[i];
+    if constexpr (kCopy) copy[i] = x;
+    if (!mask.allows(i)) x = kNegInf;
     if (x != x) nan = true;
     else if (x > m) m = x;
   }
   return {m, nan};
 }
+
+RowMax row_max(const float* row, int64_t vocab, const Mask& mask) { return row_max_impl<false>(row, vocab, mask, nullptr); }
 
 // The first allowed id whose value is `value` (32 ids at a time with AVX2); 0 if none.
 int64_t first_equal(const float* row, int64_t vocab, float value, const Mask& mask) {
@@ -1069,12 +1083,120 @@ void raw_stats_row(const float* row, int64_t vocab, float m, int64_t lanes, floa
   *log_sum = std::log(acc[0]);
 }
 
+// One call of sample_rows: what its rows read (the tensors held, so a helper that finishes late reads
+// valid memory) and where they publish. The noise and exact lists are filled row by row by the
+// thread that wins the row (native_rows.h).
+struct SampleTask : tokensampler_rows::RowTask {
+  std::vector<at::Tensor> held;
+  at::Tensor tokens, general;
+  const float* zp = nullptr;
+  int64_t stride = 0, vocab = 0, num_slots = 0, words_per_row = 0, chunks = 0, stats_lanes = 0, list_cap = 1;
+  const int64_t* slot = nullptr;
+  const uint32_t* words = nullptr;
+  float* maxima_out = nullptr;
+  float* log_sum_out = nullptr;
+  const float *tp = nullptr, *mp = nullptr;
+  const int64_t *kp = nullptr, *sp = nullptr, *op = nullptr, *st = nullptr;
+  const double* pp = nullptr;
+  int64_t* out = nullptr;
+  bool* gen = nullptr;
+  float gmin = 0.0f, gmax = 0.0f;
+  std::vector<Exact> exact;
+  std::vector<char> noise;
+
+  std::unique_ptr<tokensampler_rows::RowWorker> worker(bool helper) override;
+};
+
+// A thread's rows of a SampleTask. A helper reads the row and its mask words from copies it makes
+// first (the caller may have returned and the inputs changed: a torn copy is still one fixed row, and
+// the pass is safe on any fixed row), and the row's slot once.
+class SampleWorker : public tokensampler_rows::RowWorker {
+ public:
+  SampleWorker(SampleTask& task, bool helper) : t_(task), helper_(helper), scratch_(thread_scratch()) {}
+  ~SampleWorker() override {
+    if (rows_ == 0) return;
+    last_call_bytes += scratch_.bytes() + (helper_ ? 4 * t_.vocab : 0);  // the lists at their largest
+    if (scratch_.bytes() > 2 * rows_ * t_.vocab) scratch_.release();  // more than half its rows' fp32 logits
+  }
+
+  bool compute(int64_t b) override {
+    ++rows_;
+    const float* row = t_.zp + b * t_.stride;
+    const int64_t s = t_.slot[b];
+    if (s < 0 || s >= t_.num_slots) return false;
+    Mask mask{t_.words == nullptr ? nullptr : t_.words + b * t_.words_per_row};
+    RowMax mx;
+    if (helper_) {  // copies first: the mask words, then the row as its max is read
+      thread_local std::vector<float> row_copy;
+      thread_local std::vector<uint32_t> words_copy;
+      if (mask.words != nullptr) {
+        words_copy.resize((t_.vocab + 31) / 32);
+        std::copy(mask.words, mask.words + words_copy.size(), words_copy.begin());
+        mask.words = words_copy.data();
+      }
+      row_copy.resize(t_.vocab);
+      mx = row_max_impl<true>(row, t_.vocab, mask, row_copy.data());
+      row = row_copy.data();
+    } else {
+      mx = row_max(row, t_.vocab, mask);
+    }
+    if (mx.nan || std::isinf(mx.max)) {  // NaN, +inf, or no id left: the general routes
+      kind_ = Row::kGeneral;
+      return true;
+    }
+    if (t_.maxima_out != nullptr) {  // the raw scores' statistics while the row is in cache
+      maxima_.resize(t_.chunks);
+      raw_stats_row(row, t_.vocab, mx.max, t_.stats_lanes, maxima_.data(), &log_sum_);
+    }
+    const float temperature = t_.tp[s];
+    if (temperature == 0.0f) {  // step 6: greedy
+      kind_ = Row::kDone;
+      token_ = first_equal(row, t_.vocab, mx.max, mask);
+      return true;
+    }
+    kind_ = sample_row(row, mask, t_.vocab, mx.max, temperature, t_.mp[s], t_.kp[s], t_.pp[s],
+                       row_key(t_.sp[s], t_.op[s], t_.st[s]), t_.list_cap, t_.gmin, t_.gmax, scratch_, token_,
+                       exact_);
+    return true;
+  }
+
+  void publish(int64_t b) override {
+    if (t_.maxima_out != nullptr && kind_ != Row::kGeneral) {
+      std::copy(maxima_.begin(), maxima_.end(), t_.maxima_out + b * t_.chunks);
+      if (t_.log_sum_out != nullptr) t_.log_sum_out[b] = log_sum_;
+    }
+    if (kind_ == Row::kGeneral) {
+      t_.gen[b] = true;
+    } else if (kind_ == Row::kDone) {
+      t_.out[b] = token_;
+    } else {
+      std::swap(t_.exact[b], exact_);
+      t_.noise[b] = 1;
+    }
+  }
+
+ private:
+  SampleTask& t_;
+  const bool helper_;
+  Scratch& scratch_;
+  int64_t rows_ = 0;
+  Row kind_ = Row::kDone;
+  int64_t token_ = 0;
+  Exact exact_;
+  std::vector<float> maxima_;
+  float log_sum_ = 0.0f;
+};
+
+std::unique_ptr<tokensampler_rows::RowWorker> SampleTask::worker(bool helper) {
+  return std::make_unique<SampleWorker>(*this, helper);
+}
+
 std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
     const at::Tensor& z, const at::Tensor& slots, const at::Tensor& temperature, const at::Tensor& min_p,
     const at::Tensor& top_k, const at::Tensor& top_p, const at::Tensor& seed, const at::Tensor& position,
     const at::Tensor& stream, int64_t cap, double gumbel_min, double gumbel_max,
     const c10::optional<at::Tensor>& bitmask, const c10::optional<at::Tensor>& stats_maxima,
-    const c10::optional<at::Tensor>& stats_log_sum, int64_t stats_lanes) {
+    const c10::optional<at::Tensor>& stats_log_sum, int64_t stats_lanes, int64_t helpers) {
   TORCH_CHECK(z.dim() == 2 && z.scalar_type() == at::kFloat && z.stride(1) == 1 && z.device().is_cpu(),
               "z: a CPU float32 [B, V] tensor with contiguous rows");
   const int64_t rows = z.size(0), vocab = z.size(1), stride = z.stride(0);
@@ -1121,58 +1243,46 @@ std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
   const int64_t num_slots = temperature.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t b = 0; b < rows; ++b) TORCH_CHECK(slot[b] >= 0 && slot[b] < num_slots, "slots: out of range");
-  at::Tensor tokens = at::zeros({rows}, z.options().dtype(at::kLong));
-  at::Tensor general = at::zeros({rows}, z.options().dtype(at::kBool));
-  const float* zp = z.data_ptr<float>();
-  const float* tp = temperature.data_ptr<float>();
-  const float* mp = min_p.data_ptr<float>();
-  const int64_t* kp = top_k.data_ptr<int64_t>();
-  const double* pp = top_p.data_ptr<double>();
-  const int64_t* sp = seed.data_ptr<int64_t>();
-  const int64_t* op = position.data_ptr<int64_t>();
-  const int64_t* st = stream.data_ptr<int64_t>();
-  int64_t* out = tokens.data_ptr<int64_t>();
-  bool* gen = general.data_ptr<bool>();
-  const float gmin = static_cast<float>(gumbel_min), gmax = static_cast<float>(gumbel_max);
-  const int64_t list_cap = std::max<int64_t>(cap, 1);
-  std::vector<Exact> exact(rows);
-  std::vector<char> noise(rows, 0);
+  auto task = std::make_shared<SampleTask>();
+  SampleTask& k = *task;
+  k.held = {z, slots, temperature, min_p, top_k, top_p, seed, position, stream};
+  if (bitmask.has_value()) k.held.push_back(*bitmask);
+  if (stats_maxima.has_value()) k.held.push_back(*stats_maxima);
+  if (stats_log_sum.has_value()) k.held.push_back(*stats_log_sum);
+  k.tokens = at::zeros({rows}, z.options().dtype(at::kLong));
+  k.general = at::zeros({rows}, z.options().dtype(at::kBool));
+  k.zp = z.data_ptr<float>();
+  k.stride = stride;
+  k.vocab = vocab;
+  k.slot = slot;
+  k.num_slots = num_slots;
+  k.words = words;
+  k.words_per_row = words_per_row;
+  k.maxima_out = maxima_out;
+  k.log_sum_out = log_sum_out;
+  k.chunks = chunks;
+  k.stats_lanes = stats_lanes;
+  k.tp = temperature.data_ptr<float>();
+  k.mp = min_p.data_ptr<float>();
+  k.kp = top_k.data_ptr<int64_t>();
+  k.pp = top_p.data_ptr<double>();
+  k.sp = seed.data_ptr<int64_t>();
+  k.op = position.data_ptr<int64_t>();
+  k.st = stream.data_ptr<int64_t>();
+  k.out = k.tokens.data_ptr<int64_t>();
+  k.gen = k.general.data_ptr<bool>();
+  k.gmin = static_cast<float>(gumbel_min);
+  k.gmax = static_cast<float>(gumbel_max);
+  k.list_cap = std::min<int64_t>(std::max<int64_t>(cap, 1), vocab);
+  k.exact.resize(rows);
+  k.noise.assign(rows, 0);
   last_call_bytes = 0;
-  // rows are claimed one at a time from a shared counter, not split in fixed halves: a thread that
-  // gets its core late (another process on it) takes fewer rows instead of holding the call up
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, rows, 1, [&](int64_t, int64_t) {
-    Scratch& scratch = thread_scratch();
-    int64_t claimed = 0;
-    for (int64_t b = next++; b < rows; b = next++, ++claimed) {
-      const float* row = zp + b * stride;
-      const int64_t s = slot[b];
-      const Mask mask{words == nullptr ? nullptr : words + b * words_per_row};
-      const RowMax mx = row_max(row, vocab, mask);
-      if (mx.nan || std::isinf(mx.max)) {  // NaN, +inf, or no id left: the general routes
-        gen[b] = true;
-        continue;
-      }
-      if (maxima_out != nullptr) {  // the raw scores' statistics while the row is in cache
-        raw_stats_row(row, vocab, mx.max, stats_lanes, maxima_out + b * chunks,
-                      log_sum_out == nullptr ? nullptr : log_sum_out + b);
-      }
-      const float t = tp[s];
-      if (t == 0.0f) {  // step 6: greedy
-        out[b] = first_equal(row, vocab, mx.max, mask);
-        continue;
-      }
-      int64_t token = 0;
-      const Row r = sample_row(row, mask, vocab, mx.max, t, mp[s], kp[s], pp[s], row_key(sp[s], op[s], st[s]),
-                               std::min<int64_t>(list_cap, vocab), gmin, gmax, scratch, token, exact[b]);
-      if (r == Row::kGeneral) gen[b] = true;
-      else if (r == Row::kDone) out[b] = token;
-      else noise[b] = 1;
-    }
-    if (claimed == 0) return;
-    last_call_bytes += scratch.bytes();  // the lists only grow within a call: this is their largest
-    if (scratch.bytes() > 2 * claimed * vocab) scratch.release();  // more than half its rows' fp32 logits
-  });
+  tokensampler_rows::run(task, rows, helpers);
+  at::Tensor tokens = k.tokens, general = k.general;
+  int64_t* out = k.out;
+  const bool* gen = k.gen;
+  const std::vector<Exact>& exact = k.exact;
+  const std::vector<char>& noise = k.noise;
   // the exact noise of the ids left in a race: g = float32(-log(-log(u))) by ATen's float64 log
   int64_t total = 0;
   for (int64_t b = 0; b < rows; ++b) total += noise[b] ? static_cast<int64_t>(exact[b].ids.size()) : 0;
@@ -1209,6 +1319,19 @@ std::tuple<at::Tensor, at::Tensor, int64_t> sample_rows(
 
 int64_t scratch_bytes() { return last_call_bytes.load(); }
 
+// warm_helpers(helpers): wake up to that many helpers to watch for the next call's rows (native_rows.h).
+int64_t warm_helpers(int64_t helpers) {
+  if (helpers > 0) tokensampler_rows::Pool::get().warm(static_cast<int>(helpers));
+  return helpers;
+}
+
+// Test hook of the wait-free rows (native_rows.h): set the helpers' delay (microseconds; 0: none);
+// returns [rows callers took over from helpers, rows helpers published], counted since the start.
+std::vector<int64_t> wait_free_hook(int64_t helper_delay_us) {
+  tokensampler_rows::helper_delay_us = helper_delay_us;
+  return {tokensampler_rows::rows_taken_over.load(), tokensampler_rows::helper_rows.load()};
+}
+
 // Test hooks: the approximate and exact noise of given bits (tests/torch_step/test_native_sample.py).
 at::Tensor approx_noise(const at::Tensor& bits) {
   TORCH_CHECK(bits.dim() == 1 && bits.scalar_type() == at::kLong && bits.is_contiguous());
@@ -1241,9 +1364,11 @@ at::Tensor noise_bits(const at::Tensor& seed, const at::Tensor& position, const 
 TORCH_LIBRARY_FRAGMENT(tokensampler_native, m) {
   m.def("sample_rows(Tensor z, Tensor slots, Tensor temperature, Tensor min_p, Tensor top_k, Tensor top_p, "
         "Tensor seed, Tensor position, Tensor stream, int cap, float gumbel_min, float gumbel_max, Tensor? bitmask, "
-        "Tensor? stats_maxima, Tensor? stats_log_sum, int stats_lanes) -> (Tensor, Tensor, int)");
+        "Tensor? stats_maxima, Tensor? stats_log_sum, int stats_lanes, int helpers) -> (Tensor, Tensor, int)");
   m.def("approx_noise(Tensor bits) -> Tensor");
   m.def("scratch_bytes() -> int", &scratch_bytes);  // no tensor argument: a catch-all kernel
+  m.def("wait_free_hook(int helper_delay_us) -> int[]", &wait_free_hook);
+  m.def("warm_helpers(int helpers) -> int", &warm_helpers);
   m.def("noise_bits(Tensor seed, Tensor position, Tensor stream, Tensor token) -> Tensor");
 }
 

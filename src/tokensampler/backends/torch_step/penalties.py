@@ -11,7 +11,7 @@ from .indexing import nonzero_ids, read_at
 
 def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mask: torch.Tensor,
                   output_counts: torch.Tensor, repetition: torch.Tensor, frequency: torch.Tensor,
-                  presence: torch.Tensor, compiled: bool = False
+                  presence: torch.Tensor, compiled: bool = False, helpers: int = -1
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Step 5 at the ids each slot has seen, without writing them.
 
@@ -22,6 +22,8 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     prompt_mask: bool [S, V]; output_counts: int32 [S, V]; repetition, frequency, presence:
         float32 [S] (the state's columns).
     compiled: the sampler compiles: the seen ids by the C++ pass (`native.seen_op`) where it is built.
+    helpers: the C++ pass's rows shared with up to this many helper threads never waited for
+        (`native_rows.h`); -1: one torch parallel region.
 
     Returns
     -------
@@ -34,7 +36,7 @@ def penalty_edits(z: torch.Tensor, rows: list[int], slots: list[int], prompt_mas
     if op is not None:
         as_index = lambda values: torch.as_tensor(values, dtype=torch.int64, device=z.device)  # noqa: E731
         row_index, ids, values = op(z, as_index(rows), as_index(slots), prompt_mask, output_counts,
-                                    repetition, frequency, presence)
+                                    repetition, frequency, presence, helpers)
         return None if ids.numel() == 0 else (row_index, ids, values)
     member, ids = seen_ids(prompt_mask, output_counts, slots, z.shape[1], compiled)
     if ids.numel() == 0:

@@ -56,6 +56,8 @@ class StageRows:
     dense_buffer: a callable giving a reused float32 buffer of >= n elements (the bitmask's
         table lookup, `masking.remove_by_bitmask`), or None.
     compiled: the sampler's compile choice (the penalties' seen ids and the bitmask by the C++ passes).
+    helpers: the C++ passes' rows shared with up to this many helper threads that are never waited
+        for (`TorchStepConfig.wait_free_rows`, `native_rows.h`); -1: one torch parallel region.
     """
 
     state: SamplerState
@@ -64,6 +66,7 @@ class StageRows:
     token_bitmask: torch.Tensor | None = None
     dense_buffer: Callable[[int], torch.Tensor] | None = None
     compiled: bool = False  # the sampler compiles: its C++ passes too (`native`)
+    helpers: int = -1
 
     @property
     def offset(self) -> int:
@@ -148,7 +151,7 @@ def penalty_cells(z: torch.Tensor, rows: StageRows) -> Cells | None:
     slot_list = rows.slots.tolist()
     return penalties.penalty_edits(z, penalised, [slot_list[r] for r in penalised], st.prompt_mask,
                                    st.output_counts, st.repetition, st.frequency, st.presence,
-                                   compiled=rows.compiled)
+                                   compiled=rows.compiled, helpers=rows.helpers)
 
 
 def apply_penalties(z: torch.Tensor, rows: StageRows) -> None:

@@ -46,7 +46,7 @@ from ...core.constants import NEG_INF
 from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
 from ...core.plan import StepPlan, plan_step
-from ...core.threads import single_threaded
+from ...core.threads import caller_threads, single_threaded, thread_count_owned
 from ...state import SamplerState
 from . import candidates, extra_filters, fused, logprobs, masking, routes, stages
 from .argmax import block_maxima, first_argmax
@@ -104,6 +104,9 @@ class TorchStep:
         self.logprobs_mode = logprobs_mode
         self.device = state.device
         self.config = DEFAULT if config is None else config
+        # the fused route's C++ passes share rows with helper threads never waited for (`native_rows.h`)
+        # where the process owns torch's thread count; else with torch's threads
+        self.wait_free = self.config.wait_free_rows and thread_count_owned()
         self._z_workspace: torch.Tensor | None = None
         self._p_workspace: torch.Tensor | None = None
         self._fused_loaded: bool | None = None  # the fused route available (`_fused_ready`)
@@ -121,9 +124,10 @@ class TorchStep:
         elements = logits.shape[0] * logits.shape[1]
         small = elements <= self.config.single_thread_elements or (
             not plan.sampled_rows and elements <= self.config.greedy_single_thread_elements)
+        helpers = -1 if not self.wait_free else 0 if small else torch.get_num_threads() - 1
         with single_threaded() if small else contextlib.nullcontext():  # a row: no second thread to wait for
             index = self._slot_index(plan)
-            out = self._sample(logits, index, plan, token_bitmask)
+            out = self._sample(logits, index, plan, token_bitmask, helpers=helpers)
             self.state.record_tokens(index, out.token_ids, record)
         self._p_workspace = None  # the dense route's p buffer lives for one call (measured: no slower)
         return out
@@ -139,14 +143,15 @@ class TorchStep:
         return index
 
     def _sample(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                token_bitmask: torch.Tensor | None = None, fused_first: bool = True) -> SamplerOutput:
+                token_bitmask: torch.Tensor | None = None, fused_first: bool = True, helpers: int = -1
+                ) -> SamplerOutput:
         """Steps 1-12: the fused route where the plan and layout allow it and it finishes some row
         (the others then take the general routes alone); else the probe, the one choice of the route,
         the route. No buffer of the logits' size is allocated on any route."""
         layout = routes.Layout.of(logits, masked=token_bitmask is not None)
         if fused_first and Route.FUSED in routes.readable_routes(plan, layout, self.config, self.logprobs_mode,
                                                                  stages.CELL_EDITS, fused=self._fused_ready()):
-            fused_outcome = self._fused_route(logits, index, plan, token_bitmask)
+            fused_outcome = self._fused_route(logits, index, plan, token_bitmask, helpers)
             if isinstance(fused_outcome, SamplerOutput):
                 return fused_outcome
         probe = self._probe(logits, index, plan, masked=token_bitmask is not None)
@@ -181,20 +186,33 @@ class TorchStep:
         return self._fused_loaded
 
     def _fused_route(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                     token_bitmask: torch.Tensor | None = None) -> SamplerOutput | routes.Continue:
+                     token_bitmask: torch.Tensor | None = None, helpers: int = -1
+                     ) -> SamplerOutput | routes.Continue:
         """`Route.FUSED`: the plan's cell edits written into the caller's logits, steps 6-11 of every
         row in one C++ pass (`fused.sample_rows`, reading the token bitmask where it reads a value),
-        the cells restored; raw logprobs as on the direct route. Rows the pass marks general take the
+        the cells restored; raw logprobs as on the direct route. `helpers` >= 0: the C++ passes share
+        their rows with that many helper threads never waited for, torch on one thread meanwhile;
+        -1: on torch's threads (`TorchStep.wait_free`). Rows the pass marks general take the
         general routes alone (`_sample` on a copy of their rows, with a plan of them) where they are at
         most a quarter of the call (the copy stays under a quarter of a logits buffer); else the call
         continues there whole (`routes.Continue`), the fused pass's tokens dropped."""
+        # with helper threads of our own, torch's stay on the caller's (no thread of theirs spinning
+        # beside ours); the general rows and full-row logprobs get them back (`caller_threads`)
+        with single_threaded() if helpers > 0 else contextlib.nullcontext():
+            return self._fused_pass(logits, index, plan, token_bitmask, helpers)
+
+    def _fused_pass(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
+                    token_bitmask: torch.Tensor | None, helpers: int) -> SamplerOutput | routes.Continue:
+        """`_fused_route`'s work."""
         z = logits if logits.shape[1] == self.vocab_size else logits[:, :self.vocab_size]
         names = plan.edits()
-        undo = (stages.edit_cells(z, stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled),
-                                  names) if names else [])
+        if names:
+            fused.warm_helpers(helpers)  # their wake-up overlaps the cell edits
+        edited = stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled, helpers=helpers)
+        undo = stages.edit_cells(z, edited, names) if names else []
         raw_stats = self._fused_raw_stats(z, plan, bool(names) or token_bitmask is not None)
         try:
-            tokens, general, count = fused.sample_rows(z, index, self.state, token_bitmask, raw_stats)
+            tokens, general, count = fused.sample_rows(z, index, self.state, token_bitmask, raw_stats, helpers)
         finally:
             stages.restore_cells(z, undo)
         valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
@@ -204,7 +222,8 @@ class TorchStep:
         if rows:  # those rows alone, on the general routes (their own plan; a copy of their logits)
             part = plan_step([plan.rows[b] for b in rows], self.vocab_size, [plan.slots[b] for b in rows])
             mask = None if token_bitmask is None else token_bitmask[rows]
-            drawn = self._sample(logits[rows], index[rows], part, mask, fused_first=False)
+            with caller_threads():
+                drawn = self._sample(logits[rows], index[rows], part, mask, fused_first=False)
             tokens[rows], valid[rows] = drawn.token_ids, drawn.valid
         self.routes_taken[Route.FUSED] += 1
         out = SamplerOutput(tokens, valid, None)
@@ -218,7 +237,8 @@ class TorchStep:
                 stats = logprobs.RowStats(maxima, maxima.amax(dim=-1), log_sum)
                 self._logprobs(logits, None, tokens, plan, 0, logits.shape[0], out.logprobs, stats)
             else:
-                self._direct_logprobs(logits, tokens, plan, out.logprobs)
+                with caller_threads():
+                    self._direct_logprobs(logits, tokens, plan, out.logprobs)
         return out
 
     def _fused_raw_stats(self, z: torch.Tensor, plan: StepPlan, edited: bool
