@@ -4,8 +4,8 @@
 // from a shared counter. With torch's parallel regions (OpenMP), the call ends when its slowest
 // thread does: when another process holds one of the cores, the region waits for the thread that
 // lost it, a scheduler slice (about 3-8 ms) for a call of 1-6 ms. Here the caller, once the counter
-// is spent, gives a row a helper still holds a grace of about one row's time, then computes it
-// itself; whichever thread finishes a row first publishes it (a compare-and-swap on the row's state),
+// is spent, gives a row a helper still holds a grace of twice its own mean row time, then computes
+// it itself; whichever thread finishes a row first publishes it (a compare-and-swap on the row's state),
 // the other's result is dropped. So a late helper costs the caller at most the rows it held, never a
 // wait.
 //
@@ -15,9 +15,10 @@
 // (`RowTask::worker(true)`) reads what can change (a logits row, a mask) from a copy it made, or
 // reads it only in ways whose indices do not depend on the values.
 //
-// Helpers are plain threads that sleep on a condition variable between calls (no spinning, unlike
-// OpenMP's default wait policy); there are as many as the caller's torch thread count less one,
-// started on first use. Inside the rows every thread runs torch operations on itself alone
+// Helpers are plain threads that sleep on a condition variable between calls; after a job, or when a
+// step wakes them ahead of its passes (`Pool::warm`), they watch for the next job for a bounded time,
+// yielding the core to any other thread that wants it (OpenMP's default policy spins on it for some
+// milliseconds). A call asks for up to its torch thread count less one; they are started on first use. Inside the rows every thread runs torch operations on itself alone
 // (`omp_set_num_threads(1)`, and MKL's thread-local count where torch is built with MKL: ATen's exp
 // calls MKL's vector exp, which opens a parallel region of its own outside one), so an ATen call in a
 // row never opens a parallel region. After a fork the child starts a new pool (its parent's threads
