@@ -15,6 +15,7 @@ import torch
 
 from tokensampler import Sampler, SamplingParams
 from tokensampler.backends.torch_step import fused, native, penalties
+from tokensampler.backends.torch_step import step as step_module
 from tokensampler.backends.torch_step.config import TorchStepConfig
 from tokensampler.backends.torch_step.routes import Route
 from tokensampler.tools.workloads import make_logits
@@ -176,6 +177,27 @@ def test_a_compiling_step_uses_helpers_where_it_owns_the_thread_count(monkeypatc
     tokens = sampler.sample(logits).token_ids
     assert seen == [want] and torch.get_num_threads() == 2
     assert sampler.backends.torch_step.routes_taken[Route.FUSED] == 1 and tokens.shape == (8,)
+
+
+@pytest.mark.parametrize("rows, vocab, threads", [(5, 2000, 1), (8, 50_000, 2)])
+def test_the_general_rows_run_on_the_callers_threads(monkeypatch, two_threads, rows, vocab, threads):
+    """A row the fused pass marks general (a NaN) is drawn on the call's threads: one for a small
+    call, the caller's two after a pass with helpers (torch on one thread only during the pass)."""
+    seen = []
+    real = step_module.TorchStep._sample
+
+    def recording(self, *args, **kwargs):
+        seen.append((kwargs.get("fused_first", True), torch.get_num_threads()))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(step_module.TorchStep, "_sample", recording)
+    logits = make_logits(rows, vocab, seed=1)
+    logits[1, 5] = float("nan")
+    sampler = Sampler(vocab, max_slots=rows, compile=True)
+    for slot in range(rows):
+        sampler.add_request(slot, SamplingParams(seed=slot, temperature=0.9, top_p=0.9), [1, 2])
+    sampler.sample(logits)
+    assert seen == [(True, threads), (False, threads)] and torch.get_num_threads() == 2
 
 
 def test_the_setting_is_checked():

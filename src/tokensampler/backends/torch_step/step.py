@@ -222,7 +222,7 @@ class TorchStep:
         if rows:  # those rows alone, on the general routes (their own plan; a copy of their logits)
             part = plan_step([plan.rows[b] for b in rows], self.vocab_size, [plan.slots[b] for b in rows])
             mask = None if token_bitmask is None else token_bitmask[rows]
-            with caller_threads():
+            with caller_threads() if helpers > 0 else contextlib.nullcontext():  # a small call stays on one
                 drawn = self._sample(logits[rows], index[rows], part, mask, fused_first=False)
             tokens[rows], valid[rows] = drawn.token_ids, drawn.valid
         self.routes_taken[Route.FUSED] += 1
@@ -237,7 +237,7 @@ class TorchStep:
                 stats = logprobs.RowStats(maxima, maxima.amax(dim=-1), log_sum)
                 self._logprobs(logits, None, tokens, plan, 0, logits.shape[0], out.logprobs, stats)
             else:
-                with caller_threads():
+                with caller_threads() if helpers > 0 else contextlib.nullcontext():
                     self._direct_logprobs(logits, tokens, plan, out.logprobs)
         return out
 
