@@ -34,8 +34,9 @@ from __future__ import annotations
 import torch
 
 from ...core import rng
+from ...core.plan import StepPlan
 from ...state import SamplerState
-from . import native
+from . import logprobs, native, stages
 from .config import TorchStepConfig
 
 
@@ -94,11 +95,42 @@ def sample_rows(z: torch.Tensor, slots: torch.Tensor, state: SamplerState,
               lanes, helpers)
 
 
-def warm_helpers(helpers: int) -> None:
-    """Wake up to `helpers` of the wait-free rows' helper threads to watch for the next call (a
-    sleeping thread's wake-up then overlaps the host work before it: `native_rows.h`)."""
-    if helpers > 0 and native.sample_op() is not None:
-        torch.ops.tokensampler_native.warm_helpers(helpers)
+def edited_pass(z: torch.Tensor, index: torch.Tensor, state: SamplerState, plan: StepPlan,
+                token_bitmask: torch.Tensor | None, *, compiled: bool, logprobs_mode: str, helpers: int
+                ) -> tuple[torch.Tensor, torch.Tensor, int, tuple[torch.Tensor, torch.Tensor | None, int] | None]:
+    """`sample_rows` on z [B, V] with the plan's cell edits (`stages.edit_cells`) written into it for
+    the pass and restored after it, and the raw logprobs' statistics filled where the pass can give
+    them (`raw_stats_buffers`). Returns (tokens, general, count, the statistics or None). Where there
+    are edits to write, the helper threads are woken first: their wake-up overlaps the edits."""
+    names = plan.edits()
+    undo = []
+    if names:
+        if helpers > 0:
+            torch.ops.tokensampler_native.warm_helpers(helpers)
+        edited = stages.StageRows(state, index, list(plan.rows), compiled=compiled, helpers=helpers)
+        undo = stages.edit_cells(z, edited, names)
+    raw_stats = raw_stats_buffers(z, plan, bool(names) or token_bitmask is not None, compiled, logprobs_mode)
+    try:
+        tokens, general, count = sample_rows(z, index, state, token_bitmask, raw_stats, helpers)
+    finally:
+        stages.restore_cells(z, undo)
+    return tokens, general, count, raw_stats
+
+
+def raw_stats_buffers(z: torch.Tensor, plan: StepPlan, edited: bool, compiled: bool, logprobs_mode: str
+                      ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """Buffers for the pass to fill with the raw logprobs' statistics of every row (chunk maxima, log
+    S in ATen's lane order: `logprobs.row_stats`), where the call asks raw logprobs, compiles, and the
+    pass reads the raw scores (no cell edited, no token bitmask); else None."""
+    if not plan.wants_logprobs or edited or not compiled or not logprobs_mode.startswith("raw"):
+        return None
+    rows, vocab = z.shape
+    lanes = logprobs.fast_normaliser(vocab, True) if logprobs_mode == "raw_logprobs" else 0
+    if logprobs_mode == "raw_logprobs" and not lanes:
+        return None
+    maxima = torch.empty((rows, -(-vocab // logprobs.CHUNK)), dtype=torch.float32, device=z.device)
+    log_sum = torch.empty(rows, dtype=torch.float32, device=z.device) if lanes else None
+    return maxima, log_sum, lanes
 
 
 def scratch_bytes() -> int:

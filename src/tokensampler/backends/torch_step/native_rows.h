@@ -236,8 +236,7 @@ inline void run_rows(const std::shared_ptr<RowTask>& task, int64_t rows, int64_t
   const auto start = Clock::now();
   int64_t mine = 0;
   for (int64_t b = job->next.fetch_add(1); b < rows; b = job->next.fetch_add(1), ++mine) {
-    job->state[b].store(kTaken, std::memory_order_relaxed);  // no helper touches a row it did not draw
-    worker->compute(b);
+    worker->compute(b);  // no helper touches a row it did not draw
     worker->publish(b);
     job->state[b].store(kDone, std::memory_order_relaxed);
   }

@@ -46,7 +46,7 @@ from ...core.constants import NEG_INF
 from ...core.output import LogprobsOutput, SamplerOutput
 from ...core.params import SamplingParams
 from ...core.plan import StepPlan, plan_step
-from ...core.threads import caller_threads, single_threaded, thread_count_owned
+from ...core.threads import single_threaded, thread_count_owned
 from ...state import SamplerState
 from . import candidates, extra_filters, fused, logprobs, masking, routes, stages
 from .argmax import block_maxima, first_argmax
@@ -189,32 +189,21 @@ class TorchStep:
                      token_bitmask: torch.Tensor | None = None, helpers: int = -1
                      ) -> SamplerOutput | routes.Continue:
         """`Route.FUSED`: the plan's cell edits written into the caller's logits, steps 6-11 of every
-        row in one C++ pass (`fused.sample_rows`, reading the token bitmask where it reads a value),
-        the cells restored; raw logprobs as on the direct route. `helpers` >= 0: the C++ passes share
-        their rows with that many helper threads never waited for, torch on one thread meanwhile;
-        -1: on torch's threads (`TorchStep.wait_free`). Rows the pass marks general take the
-        general routes alone (`_sample` on a copy of their rows, with a plan of them) where they are at
-        most a quarter of the call (the copy stays under a quarter of a logits buffer); else the call
+        row in one C++ pass (`fused.edited_pass`, reading the token bitmask where it reads a value),
+        the cells restored; raw logprobs from the pass's statistics, else as on the direct route.
+        `helpers` >= 0: the C++ passes share their rows with that many helper threads never waited
+        for, torch on the calling thread alone meanwhile (no torch thread spinning beside them); -1:
+        on torch's threads (`TorchStep.wait_free`). Rows the pass marks general take the general
+        routes alone (`_sample` on a copy of their rows, with a plan of them) where they are at most a
+        quarter of the call (the copy stays under a quarter of a logits buffer); else the call
         continues there whole (`routes.Continue`), the fused pass's tokens dropped."""
-        # with helper threads of our own, torch's stay on the caller's (no thread of theirs spinning
-        # beside ours); the general rows and full-row logprobs get them back (`caller_threads`)
-        with single_threaded() if helpers > 0 else contextlib.nullcontext():
-            return self._fused_pass(logits, index, plan, token_bitmask, helpers)
-
-    def _fused_pass(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan,
-                    token_bitmask: torch.Tensor | None, helpers: int) -> SamplerOutput | routes.Continue:
-        """`_fused_route`'s work."""
         z = logits if logits.shape[1] == self.vocab_size else logits[:, :self.vocab_size]
-        names = plan.edits()
-        if names:
-            fused.warm_helpers(helpers)  # their wake-up overlaps the cell edits
-        edited = stages.StageRows(self.state, index, list(plan.rows), compiled=self.compiled, helpers=helpers)
-        undo = stages.edit_cells(z, edited, names) if names else []
-        raw_stats = self._fused_raw_stats(z, plan, bool(names) or token_bitmask is not None)
-        try:
-            tokens, general, count = fused.sample_rows(z, index, self.state, token_bitmask, raw_stats, helpers)
-        finally:
-            stages.restore_cells(z, undo)
+        with single_threaded() if helpers > 0 else contextlib.nullcontext():
+            tokens, general, count, raw_stats = fused.edited_pass(
+                z, index, self.state, plan, token_bitmask, compiled=self.compiled,
+                logprobs_mode=self.logprobs_mode, helpers=helpers)
+            from_stats = (self._stats_logprobs(logits, tokens, plan, raw_stats)
+                          if raw_stats is not None and count == 0 else None)
         valid = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
         rows = general.nonzero().squeeze(-1).tolist() if count else []
         if 4 * len(rows) > tokens.shape[0]:  # their copy would pass a quarter of a logits buffer
@@ -222,39 +211,27 @@ class TorchStep:
         if rows:  # those rows alone, on the general routes (their own plan; a copy of their logits)
             part = plan_step([plan.rows[b] for b in rows], self.vocab_size, [plan.slots[b] for b in rows])
             mask = None if token_bitmask is None else token_bitmask[rows]
-            with caller_threads() if helpers > 0 else contextlib.nullcontext():  # a small call stays on one
-                drawn = self._sample(logits[rows], index[rows], part, mask, fused_first=False)
+            drawn = self._sample(logits[rows], index[rows], part, mask, fused_first=False)
             tokens[rows], valid[rows] = drawn.token_ids, drawn.valid
         self.routes_taken[Route.FUSED] += 1
-        out = SamplerOutput(tokens, valid, None)
-        if plan.wants_logprobs:  # raw scores (processed modes never take this route)
+        out = SamplerOutput(tokens, valid, from_stats)
+        if plan.wants_logprobs and from_stats is None:  # raw scores (processed modes never take this route)
             out.logprobs = LogprobsOutput.empty((logits.shape[0],), plan.logprobs_width, logits.device)
-            if raw_stats is not None and not rows:  # the pass's statistics: gathers only
-                asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
-                maxima, log_sum, _ = raw_stats
-                if len(asked) < len(plan.num_logprobs):
-                    maxima, log_sum = maxima[asked], None if log_sum is None else log_sum[asked]
-                stats = logprobs.RowStats(maxima, maxima.amax(dim=-1), log_sum)
-                self._logprobs(logits, None, tokens, plan, 0, logits.shape[0], out.logprobs, stats)
-            else:
-                with caller_threads() if helpers > 0 else contextlib.nullcontext():
-                    self._direct_logprobs(logits, tokens, plan, out.logprobs)
+            self._direct_logprobs(logits, tokens, plan, out.logprobs)
         return out
 
-    def _fused_raw_stats(self, z: torch.Tensor, plan: StepPlan, edited: bool
-                         ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
-        """Buffers for the fused pass to fill with the raw logprobs' statistics of every row (chunk
-        maxima, log S in ATen's lane order: `logprobs.row_stats`), where the call asks raw logprobs,
-        compiles, and the pass reads the raw scores (no cell edited, no token bitmask); else None."""
-        if not plan.wants_logprobs or edited or not self.compiled or not self.logprobs_mode.startswith("raw"):
-            return None
-        rows, vocab = z.shape
-        lanes = logprobs.fast_normaliser(vocab, True) if self.logprobs_mode == "raw_logprobs" else 0
-        if self.logprobs_mode == "raw_logprobs" and not lanes:
-            return None
-        maxima = torch.empty((rows, -(-vocab // logprobs.CHUNK)), dtype=torch.float32, device=z.device)
-        log_sum = torch.empty(rows, dtype=torch.float32, device=z.device) if lanes else None
-        return maxima, log_sum, lanes
+    def _stats_logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, plan: StepPlan,
+                        raw_stats: tuple[torch.Tensor, torch.Tensor | None, int]) -> LogprobsOutput:
+        """Raw logprobs from the fused pass's statistics of every row (`fused.raw_stats_buffers`):
+        gathers only."""
+        out = LogprobsOutput.empty((logits.shape[0],), plan.logprobs_width, logits.device)
+        asked = [b for b, n in enumerate(plan.num_logprobs) if n >= 0]
+        maxima, log_sum, _ = raw_stats
+        if len(asked) < len(plan.num_logprobs):
+            maxima, log_sum = maxima[asked], None if log_sum is None else log_sum[asked]
+        stats = logprobs.RowStats(maxima, maxima.amax(dim=-1), log_sum)
+        self._logprobs(logits, None, tokens, plan, 0, logits.shape[0], out, stats)
+        return out
 
     def _probe(self, logits: torch.Tensor, index: torch.Tensor, plan: StepPlan, *, masked: bool) -> Probe:
         """The facts `routes.choose_route` needs, measured once on the caller's logits where a route
