@@ -33,6 +33,26 @@ def hook(delay_us: int) -> tuple[int, int]:
     return taken, published
 
 
+def late_call(call, tries: int = 20):
+    """(call's result, seconds it took, rows taken over) for a call whose helper sleeps LATE_S after
+    claiming a row. A helper that wakes after the caller has drawn every row claims none (the call
+    then takes nothing over and the helper is not delayed): the call is repeated, a helper woken just
+    before it (`warm_helpers`), until one claimed a row; the delay is cleared on return."""
+    for _ in range(tries):
+        torch.ops.tokensampler_native.warm_helpers(1)
+        time.sleep(0.001)  # awake and watching (for 2 ms) when the call starts
+        taken_before, _ = hook(int(LATE_S * 1e6))
+        try:
+            start = time.perf_counter()
+            result = call()
+            elapsed = time.perf_counter() - start
+        finally:
+            taken_after, _ = hook(0)
+        if taken_after > taken_before:
+            return result, elapsed, taken_after - taken_before
+    raise AssertionError(f"no helper claimed a row in {tries} calls")
+
+
 def batch(rows: int, vocab: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     """Peaked and flat rows, a NaN row and an all -inf row (general), mixed parameters."""
     logits = torch.cat([make_logits(rows // 2, vocab, seed=3), make_logits(rows - rows // 2, vocab, flat=True, seed=4)])
@@ -76,72 +96,68 @@ def test_a_late_helper_is_not_waited_for_and_what_it_reads_late_changes_nothing(
     """The helper sleeps LATE_S after claiming its first row; the call returns long before (the caller
     takes that row over); then the logits, the token bitmask and the state's parameters are changed in
     place (NaN, +inf, values above each row's max) while the helper reads them; its result is dropped."""
-    vocab = 30_000
-    logits, params = batch(8, vocab)
-    bitmask = pack_bitmask(torch.rand(8, vocab, generator=torch.Generator().manual_seed(1)) < 0.5)
+    rows, vocab = 32, 150_000  # a few milliseconds of rows: a helper woken just before claims one
+    logits, params = batch(rows, vocab)
+    bitmask = pack_bitmask(torch.rand(rows, vocab, generator=torch.Generator().manual_seed(1)) < 0.5)
     state = state_for(params, vocab)
-    want = fused.sample_rows(logits, torch.arange(8), state, bitmask, None, -1)
-    taken_before, _ = hook(int(LATE_S * 1e6))
-    try:
-        start = time.perf_counter()
-        tokens, general, count = fused.sample_rows(logits, torch.arange(8), state, bitmask, None, 1)
-        elapsed = time.perf_counter() - start
-        kept = (tokens.clone(), general.clone())
-        logits[:, ::3] = float("nan")
-        logits[:, 1::3] = float("inf")
-        logits[:, 2::3] = 1e30
-        bitmask.fill_(-1)
-        state.temperature.fill_(1e-30)
-        state.top_k.fill_(1)
-    finally:
-        taken_after, _ = hook(0)
+    want = fused.sample_rows(logits, torch.arange(rows), state, bitmask, None, -1)
+    (tokens, general, count), elapsed, taken = late_call(
+        lambda: fused.sample_rows(logits, torch.arange(rows), state, bitmask, None, 1))
+    kept = (tokens.clone(), general.clone())
+    logits[:, ::3] = float("nan")
+    logits[:, 1::3] = float("inf")
+    logits[:, 2::3] = 1e30
+    bitmask.fill_(-1)
+    state.temperature.fill_(1e-30)
+    state.top_k.fill_(1)
     time.sleep(LATE_S + 0.5)  # the helper wakes, reads the changed inputs, loses its row
     assert elapsed < LATE_S / 3, f"the call waited for its late helper ({elapsed:.3f} s)"
-    assert taken_after - taken_before == 1
+    assert taken == 1
     assert torch.equal(tokens, want[0]) and torch.equal(general, want[1]) and count == want[2]
     assert torch.equal(tokens, kept[0]) and torch.equal(general, kept[1])  # nothing written after the call
 
 
 def test_late_penalty_rows_are_taken_over_too(two_threads):
-    vocab = 40_000
+    rows, vocab = 32, 150_000
     gen = torch.Generator().manual_seed(3)
-    z = torch.randn(6, vocab, generator=gen)
-    prompt = torch.rand(6, vocab, generator=gen) < 0.02
-    counts = (torch.rand(6, vocab, generator=gen) < 0.02).to(torch.int32) * 3
-    columns = [torch.full((6,), value) for value in (1.3, 0.4, 0.2)]
-    args = (z, list(range(6)), [5, 4, 3, 2, 1, 0], prompt, counts, *columns)
+    z = torch.randn(rows, vocab, generator=gen)
+    prompt = torch.rand(rows, vocab, generator=gen) < 0.02
+    counts = (torch.rand(rows, vocab, generator=gen) < 0.02).to(torch.int32) * 3
+    columns = [torch.full((rows,), value) for value in (1.3, 0.4, 0.2)]
+    args = (z, list(range(rows)), list(reversed(range(rows))), prompt, counts, *columns)
     want = penalties.penalty_edits(*args, compiled=True, helpers=-1)
-    taken_before, _ = hook(int(LATE_S * 1e6))
-    try:
-        start = time.perf_counter()
-        got = penalties.penalty_edits(*args, compiled=True, helpers=1)
-        elapsed = time.perf_counter() - start
-        kept = [t.clone() for t in got]
-        counts.fill_(7)  # the history goes on while the helper reads it
-        prompt.fill_(True)
-    finally:
-        taken_after, _ = hook(0)
+    got, elapsed, taken = late_call(lambda: penalties.penalty_edits(*args, compiled=True, helpers=1))
+    kept = [t.clone() for t in got]
+    counts.fill_(7)  # the history goes on while the helper reads it
+    prompt.fill_(True)
     time.sleep(LATE_S + 0.5)
-    assert elapsed < LATE_S / 3 and taken_after - taken_before == 1
+    assert elapsed < LATE_S / 3 and taken == 1
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(got, want, kept))
 
 
 def _child(queue) -> None:
     torch.set_num_threads(1)  # libgomp's threads are not in a forked child: torch on one thread there
-    logits, params = batch(32, 100_000)
+    logits, params = batch(128, 100_000)  # about 10 ms of rows: a helper woken late still claims some
     state = state_for(params, 100_000)
-    fused.sample_rows(logits, torch.arange(32), state, None, None, 1)  # starts the child's helper
-    _, published_before = hook(0)
-    tokens, _, _ = fused.sample_rows(logits, torch.arange(32), state, None, None, 1)
-    _, published_after = hook(0)
-    queue.put((tokens.tolist(), published_after - published_before))
+    fused.sample_rows(logits, torch.arange(128), state, None, None, 1)  # starts the child's helper
+    published = 0
+    for _ in range(20):  # a helper that wakes after the caller drew every row publishes none: again
+        _, published_before = hook(0)
+        torch.ops.tokensampler_native.warm_helpers(1)
+        time.sleep(0.001)  # awake and watching when the call starts
+        tokens, _, _ = fused.sample_rows(logits, torch.arange(128), state, None, None, 1)
+        _, published_after = hook(0)
+        published = published_after - published_before
+        if published > 0:
+            break
+    queue.put((tokens.tolist(), published))
 
 
 def test_a_forked_child_starts_helpers_of_its_own(two_threads):
     """The parent's helper thread is not in the child (fork copies the calling thread only); the
     child starts its own: some of its rows are published by a helper."""
-    logits, params = batch(32, 100_000)
-    want, _, _ = fused.sample_rows(logits, torch.arange(32), state_for(params, 100_000), None, None, 1)
+    logits, params = batch(128, 100_000)
+    want, _, _ = fused.sample_rows(logits, torch.arange(128), state_for(params, 100_000), None, None, 1)
     context = multiprocessing.get_context("fork")
     queue = context.Queue()
     child = context.Process(target=_child, args=(queue,))
